@@ -1,0 +1,3 @@
+"""distrain: Hydra-configured distributed PyTorch training."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Checkpoints: sharded (torch.distributed.checkpoint), atomic, with the data position and RNG state."""

@@ -1,0 +1,110 @@
+"""Sharded, atomic checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout of one checkpoint, ``<dir>/step_00000100/``:
+    ``*.distcp`` + ``.metadata``  model / optimizer / scheduler / scaler / loop state, each rank writing its shards
+                                  (replicated tensors are written once, by the lowest rank holding them);
+    ``rng_rank<r>.pt``            each rank's RNG states (they differ between ranks, so they are not in DCP);
+    ``manifest.json``             written last: the files with their sizes.
+Everything is written into ``step_00000100.tmp`` and renamed when all ranks are done, so a crash mid-save never
+leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Saves every ``every_n_steps`` optimizer steps into ``dir`` and keeps the newest ``keep_last``.
+
+    Args:
+        run_dir: the run directory; checkpoints go to ``<run_dir>/checkpoints`` unless ``dir`` is set.
+        every_n_steps: period in optimizer steps; 0 disables periodic saves.
+        keep_last: complete checkpoints to keep; 0 keeps all.
+        dir: checkpoint directory, stable across restarts of the same run.
+        save_final: also save after the last step.
+    """
+
+    def __init__(self, *, run_dir: str, every_n_steps: int, keep_last: int, dir: str | None, save_final: bool) -> None:
+        self.dir = Path(dir) if dir else Path(run_dir) / "checkpoints"
+        self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
+
+    def due(self, step: int, *, final: bool) -> bool:
+        if final:
+            return self.save_final
+        return self.every_n_steps > 0 and step % self.every_n_steps == 0
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write ``state`` for ``step``. Collective: every rank must call it (DCP gathers a global plan)."""
+        final_path = self.dir / f"step_{step:08d}"
+        tmp_path = self.dir / f"step_{step:08d}.tmp"
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(tmp_path, ignore_errors=True)
+            tmp_path.mkdir(parents=True)
+        dist.barrier()
+        dcp.save(state, checkpoint_id=tmp_path)
+        torch.save(rng_state(), tmp_path / f"rng_rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            files = {p.name: p.stat().st_size for p in sorted(tmp_path.iterdir())}
+            (tmp_path / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
+            shutil.rmtree(final_path, ignore_errors=True)
+            tmp_path.rename(final_path)
+            self._prune()
+            log.info("saved checkpoint %s", final_path)
+        dist.barrier()
+        return final_path
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Checkpoint directories with a manifest, oldest first."""
+        if not self.dir.is_dir():
+            return []
+        found = [p for p in self.dir.iterdir() if _STEP_DIR.match(p.name) and (p / "manifest.json").is_file()]
+        return sorted(found, key=lambda p: p.name)
+
+    def _prune(self) -> None:
+        if self.keep_last > 0:
+            for old in self.complete_checkpoints()[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def load(path: Path, state: dict[str, Any]) -> None:
+        """Load ``path`` into ``state`` in place (DCP reshards to this run's layout) and restore this rank's RNG.
+
+        Collective: every rank must call it.
+        """
+        dcp.load(state, checkpoint_id=path)
+        rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))

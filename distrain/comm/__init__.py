@@ -1,0 +1,1 @@
+"""Gradient communication: DDP reducer settings and communication hooks."""

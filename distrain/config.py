@@ -1,0 +1,259 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Each group in ``conf/<group>/`` starts its YAML files with ``defaults: [base_<kind>, _self_]`` so that the
+option is checked against one of these dataclasses: a misspelt key or a wrongly typed value is refused at
+composition time, before any rank starts. Defaults live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    """Decoder-only transformer (pre-norm, causal self-attention, GELU MLP)."""
+
+    _target_: str = "distrain.models.gpt.GPT"
+    vocab_size: int = 256  # byte-level corpus
+    max_seq_len: int = 128  # context length; also the training sequence length
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+
+@dataclass(kw_only=True)
+class MLPConfig:
+    """Position-wise residual MLP language model (no attention): the smallest model every strategy takes."""
+
+    _target_: str = "distrain.models.mlp.MLPLanguageModel"
+    vocab_size: int = 256
+    max_seq_len: int = 128
+    d_model: int = 128
+    hidden: int = 512
+    n_layers: int = 4
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+@dataclass(kw_only=True)
+class StdlibCorpusConfig:
+    """Bytes of the Python standard library's own source files: real text on every machine, no download."""
+
+    _target_: str = "distrain.data.corpus.stdlib_source_corpus"
+    max_bytes: int = 4_000_000
+    val_fraction: float = 0.05
+
+
+@dataclass(kw_only=True)
+class SyntheticCorpusConfig:
+    """Uniformly random tokens, for benchmarks where the data must cost nothing."""
+
+    _target_: str = "distrain.data.corpus.synthetic_corpus"
+    num_tokens: int = 2_000_000
+    vocab_size: int = 256
+    seed: int = 1234
+    val_fraction: float = 0.05
+
+
+@dataclass(kw_only=True)
+class StdlibDataConfig:
+    micro_batch_size: int = 8  # sequences per rank per micro-step
+    seq_len: int = 128  # tokens per sequence (at most model.max_seq_len)
+    corpus: StdlibCorpusConfig = field(default_factory=StdlibCorpusConfig)
+
+
+@dataclass(kw_only=True)
+class SyntheticDataConfig:
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    corpus: SyntheticCorpusConfig = field(default_factory=SyntheticCorpusConfig)
+
+
+# ---------------------------------------------------------------------------------------- parallelism
+
+
+@dataclass(kw_only=True)
+class SingleConfig:
+    """One process, no gradient communication."""
+
+    _target_: str = "distrain.parallelism.single.SingleProcessStrategy"
+    name: str = "single"
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    """torch DistributedDataParallel: parameters replicated, gradients all-reduced in buckets."""
+
+    _target_: str = "distrain.parallelism.ddp.DDPStrategy"
+    name: str = "ddp"
+    find_unused_parameters: bool = False
+
+
+# ------------------------------------------------------------------------------------------ optimizer
+
+
+@dataclass(kw_only=True)
+class AdamWConfig:
+    """AdamW; weight decay applies to matrices only (not to biases, norms or embeddings' positions)."""
+
+    _target_: str = "distrain.optim.optimizers.adamw"
+    _partial_: bool = True
+    lr: float = 3e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass(kw_only=True)
+class SGDConfig:
+    _target_: str = "distrain.optim.optimizers.sgd"
+    _partial_: bool = True
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """Linear warm-up, then cosine (or linear, or no) decay to ``min_lr_ratio * lr`` at ``trainer.max_steps``."""
+
+    _target_: str = "distrain.optim.schedule.warmup_decay_schedule"
+    _partial_: bool = True
+    warmup_steps: int = 20
+    decay: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1
+
+
+# ------------------------------------------------------------------------------------------ precision
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Autocast compute dtype over fp32 master weights; fp16 adds a dynamic gradient scaler."""
+
+    _target_: str = "distrain.precision.policy.PrecisionPolicy"
+    name: str = "fp32"
+    compute_dtype: str = "float32"  # float32 (no autocast) | bfloat16 | float16
+    grad_scaler: bool = False
+
+
+# ----------------------------------------------------------------------------------------------- comm
+
+
+@dataclass(kw_only=True)
+class DDPCommConfig:
+    """Settings of DDP's gradient reducer (used by strategies that all-reduce gradients through DDP)."""
+
+    _target_: str = "distrain.comm.ddp_comm.DDPComm"
+    name: str = "default"
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+
+
+# ----------------------------------------------------------------------------------------- checkpoint
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Periodic sharded checkpoints (torch.distributed.checkpoint), written atomically."""
+
+    _target_: str = "distrain.checkpoint.checkpointer.Checkpointer"
+    _partial_: bool = True
+    every_n_steps: int = 100  # 0: no periodic checkpoints
+    keep_last: int = 2  # older complete checkpoints are deleted; 0 keeps all
+    dir: str | None = None  # default: <run dir>/checkpoints
+    save_final: bool = True
+
+
+# --------------------------------------------------------------------------------------------- logger
+
+
+@dataclass(kw_only=True)
+class NoTrackerConfig:
+    """No experiment tracker; metrics.jsonl in the run directory is always written."""
+
+    _target_: str = "distrain.logger.trackers.NullTracker"
+
+
+@dataclass(kw_only=True)
+class JsonlTrackerConfig:
+    """Also append every record, tagged with the run's name, to one shared JSON-lines file."""
+
+    _target_: str = "distrain.logger.trackers.JsonlTracker"
+    path: str = "runs.jsonl"  # relative to the directory train.py was started from
+
+
+# ---------------------------------------------------------------------------------------------- root
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    max_steps: int = 200
+    seed: int = 0
+    grad_accum_steps: int = 1  # micro-steps per optimizer step; gradients sync on the last only
+    grad_clip_norm: float = 1.0  # global L2 norm; 0 disables clipping (the norm is still reported)
+    log_every: int = 10
+    eval_every: int = 100  # 0: evaluate only at the end
+    eval_batches: int = 8  # validation micro-batches per rank
+    progress_bar: bool = True
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    nproc_per_node: int | None = None  # None: one rank per GPU, else 2 on CPU (1 for parallelism=single)
+    device: str = "auto"  # auto | cpu | cuda
+    backend: str | None = None  # None: nccl on cuda, gloo on cpu
+    timeout_s: float = 300.0  # collective timeout
+    max_restarts: int = 0  # elastic restarts of all ranks after a rank fails
+    threads_per_rank: int | None = None  # CPU intra-op threads; None: cores / local ranks
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: Any = MISSING
+    data: Any = MISSING
+    parallelism: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    precision: PrecisionConfig = MISSING
+    comm: Any = MISSING
+    checkpoint: CheckpointConfig = MISSING
+    logger: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    stage: int | None = None  # ZeRO/FSDP sharding stage, written top-level: `parallelism=zero stage=3`
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"base_gpt": GPTConfig, "base_mlp": MLPConfig},
+    "data": {"base_stdlib_data": StdlibDataConfig, "base_synthetic_data": SyntheticDataConfig},
+    "parallelism": {"base_single": SingleConfig, "base_ddp": DDPConfig},
+    "optimizer": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig},
+    "precision": {"base_precision": PrecisionConfig},
+    "comm": {"base_ddp_comm": DDPCommConfig},
+    "checkpoint": {"base_checkpoint": CheckpointConfig},
+    "logger": {"base_none": NoTrackerConfig, "base_jsonl": JsonlTrackerConfig},
+}
+
+CONFIG_GROUPS = ("model", "data", "parallelism", "optimizer", "precision", "comm", "checkpoint", "logger")
+
+
+def register_configs() -> None:
+    """Store the root schema and every group's base schemas in Hydra's ConfigStore (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            store.store(group=group, name=name, node=node)

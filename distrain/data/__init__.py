@@ -1,0 +1,1 @@
+"""Data: token corpora, a global-batch sampler sharded over data-parallel ranks, and batches."""

@@ -1,0 +1,91 @@
+"""Process-group setup for one rank: which device, which backend, which rank, and rank-aware logging."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this rank sits: global and node-local rank and size, and the device its tensors live on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device_type(device: str) -> str:
+    """``auto`` is cuda when a GPU is visible, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def default_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_distributed(*, device: str, backend: str | None, timeout_s: float, threads_per_rank: int | None) -> DistEnv:
+    """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+    Collective: ``init_process_group`` rendezvous of all ranks. On CUDA each rank takes GPU ``LOCAL_RANK``.
+    On CPU the machine's cores are split between the node's ranks so they do not oversubscribe.
+    """
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    device_type = resolve_device_type(device)
+    backend = backend or default_backend(device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device("cuda", local_rank)
+    else:
+        torch_device = torch.device("cpu")
+        torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=torch_device if device_type == "cuda" else None,
+        )
+    return DistEnv(rank, world_size, local_rank, local_world_size, torch_device, backend)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def configure_logging(rank: int, log_file: Path | None = None) -> None:
+    """Rank 0 logs INFO; the others WARNING and above, prefixed with their rank so a failing rank is named.
+
+    Rank 0 also appends to ``log_file`` (the run directory's log) when given.
+    """
+    root = logging.getLogger("distrain")
+    root.handlers.clear()
+    formatter = logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None and rank == 0:
+        handlers.append(logging.FileHandler(log_file))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.propagate = False

@@ -1,0 +1,97 @@
+"""Starting ranks: reuse an outer launcher (torchrun, SLURM) or start them here with PyTorch's elastic agent.
+
+A run is one Hydra job with one output directory. The parent process composes the config, creates the run
+directory and hands both to ``nproc_per_node`` worker processes started by ``torch.distributed.launcher`` (the
+machinery behind torchrun), so Hydra never runs once per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+__all__ = ["ChildFailedError", "default_nproc_per_node", "inside_launcher", "launcher_rank", "run_ranks"]
+
+
+def inside_launcher() -> bool:
+    """True when an outer launcher (torchrun, or a SLURM task started by submitit) already made this process a rank."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys()
+
+
+def launcher_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def default_nproc_per_node(device_type: str) -> int:
+    """One rank per visible GPU, else 2 CPU ranks."""
+    return torch.cuda.device_count() if device_type == "cuda" else 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def _single_rank_env() -> Iterator[None]:
+    """The environment variables a launcher would set for a world of one, restored afterwards."""
+    values = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_ranks(
+    entrypoint: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    nproc_per_node: int,
+    max_restarts: int = 0,
+) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` on every rank of this node and return ``{rank: return value}``.
+
+    Inside an outer launcher this process is already one rank: it runs the entrypoint itself. A world of one
+    without restarts also runs in-process (no spawn cost). Otherwise ``nproc_per_node`` processes are spawned
+    with a c10d rendezvous on a free local port; if any rank fails, the agent stops the others (no hang) and,
+    after ``max_restarts`` restarts, raises ``ChildFailedError`` carrying the failing rank's traceback.
+    """
+    if inside_launcher():
+        return {launcher_rank(): entrypoint(*args)}
+    if nproc_per_node == 1 and max_restarts == 0:
+        with _single_rank_env():
+            return {0: entrypoint(*args)}
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    return elastic_launch(config, entrypoint)(*args)

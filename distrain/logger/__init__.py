@@ -1,0 +1,1 @@
+"""Where metrics go: the run directory (always), an optional experiment tracker, the console."""

@@ -1,0 +1,119 @@
+"""A small GPT: token + learned position embeddings, pre-norm blocks, untied output head.
+
+Layout chosen for the parallel strategies: blocks live in a ``ModuleDict`` keyed by index so a pipeline stage can
+drop the blocks it does not own without renaming the others, and attention uses separate q/k/v projections whose
+output width may be a tensor-parallel shard (heads are inferred from the local width).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.wq = nn.Linear(d_model, d_model)
+        self.wk = nn.Linear(d_model, d_model)
+        self.wv = nn.Linear(d_model, d_model)
+        self.wo = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w_in = nn.Linear(d_model, hidden)
+        self.w_out = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_out(F.gelu(self.w_in(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
+        self.mlp_norm = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model, mlp_ratio * d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x)))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model.
+
+    Args:
+        vocab_size: number of token ids.
+        max_seq_len: longest sequence the position embedding covers.
+        d_model: residual width.
+        n_layers: number of transformer blocks.
+        n_heads: attention heads; must divide ``d_model``.
+        mlp_ratio: MLP hidden width as a multiple of ``d_model``.
+        dropout: dropout on attention and residual branches.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        max_seq_len: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.vocab_size, self.max_seq_len, self.d_model, self.n_layers = (
+            vocab_size,
+            max_seq_len,
+            d_model,
+            n_layers,
+        )
+        self.n_heads, self.mlp_ratio = n_heads, mlp_ratio
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_seq_len, d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads, mlp_ratio, dropout) for i in range(n_layers)})
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # GPT-2 initialisation: residual output projections scaled by depth to keep the stream's variance flat.
+        for name, param in self.named_parameters():
+            if param.dim() < 2:
+                continue
+            std = 0.02 / math.sqrt(2 * self.n_layers) if name.endswith(("wo.weight", "w_out.weight")) else 0.02
+            nn.init.normal_(param, mean=0.0, std=std)
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per matmul parameter plus attention scores (PaLM appendix B)."""
+        matmul_params = sum(p.numel() for n, p in self.named_parameters() if p.dim() == 2 and "emb" not in n)
+        return 6.0 * matmul_params + 12.0 * self.n_layers * self.d_model * seq_len

@@ -1,0 +1,1 @@
+"""Optimizers (weight-decay parameter groups) and learning-rate schedules."""

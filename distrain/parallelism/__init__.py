@@ -1,0 +1,1 @@
+"""Parallelism strategies, one module per option of the ``parallelism`` config group."""

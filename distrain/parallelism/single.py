@@ -1,0 +1,12 @@
+"""``parallelism=single``: one process, the model as it is."""
+
+from __future__ import annotations
+
+from distrain.parallelism.base import LocalBackwardStrategy
+
+
+class SingleProcessStrategy(LocalBackwardStrategy):
+    """No communication of gradients; world size must be 1."""
+
+    def __init__(self, *, name: str = "single") -> None:
+        self.name = name

@@ -1,0 +1,1 @@
+"""Mixed precision: autocast compute dtype over fp32 weights, and the gradient scaler for fp16."""

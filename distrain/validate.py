@@ -1,0 +1,155 @@
+"""Checks of a composed config that types alone cannot express, run once before any rank starts.
+
+Each failure is a ``ConfigError`` that train.py prints as one line naming the key, the value and what is
+allowed, then exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from distrain.dist import resolve_device_type
+from distrain.launch import default_nproc_per_node, inside_launcher
+from distrain.precision.policy import autocast_supported
+
+STAGED_STRATEGIES: tuple[str, ...] = ()  # strategies that take a top-level `stage=` (ZeRO / FSDP, added later)
+
+
+class ConfigError(ValueError):
+    """A configuration value that is not allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r} is not allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What validation resolved for starting the ranks."""
+
+    device_type: str
+    nproc_per_node: int
+
+
+def _check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -> None:
+    value = OmegaConf.select(cfg, key)
+    if not ok(value):
+        raise ConfigError(key, value, allowed)
+
+
+def _at_least(minimum: float) -> Callable[[Any], bool]:
+    return lambda value: value is not None and value >= minimum
+
+
+def _positive(value: Any) -> bool:
+    return value is not None and value > 0
+
+
+def _one_of(*options: Any) -> Callable[[Any], bool]:
+    return lambda value: value in options
+
+
+def validate(cfg: DictConfig) -> LaunchPlan:
+    """Raise ``ConfigError`` for the first invalid value; return the resolved launch plan."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except Exception as err:  # interpolation or missing-value errors carry the key in their message
+        key = getattr(err, "full_key", None) or "config"
+        raise ConfigError(key, "?", str(err).splitlines()[0]) from None
+
+    _check(cfg, "distributed.device", _one_of("auto", "cpu", "cuda"), "one of auto, cpu, cuda")
+    device_type = resolve_device_type(cfg.distributed.device)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("distributed.device", "cuda", "no CUDA device is visible here; use auto or cpu")
+    _check(cfg, "distributed.backend", _one_of(None, "gloo", "nccl"), "one of gloo, nccl, or null (automatic)")
+    if cfg.distributed.backend == "nccl" and device_type != "cuda":
+        raise ConfigError("distributed.backend", "nccl", "nccl needs CUDA devices; use gloo on cpu")
+    _check(
+        cfg,
+        "distributed.nproc_per_node",
+        lambda v: v is None or v >= 1,
+        "an integer >= 1 (or null: automatic)",
+    )
+    _check(cfg, "distributed.timeout_s", _positive, "a number of seconds > 0")
+    _check(cfg, "distributed.max_restarts", _at_least(0), "an integer >= 0")
+    _check(cfg, "distributed.threads_per_rank", lambda v: v is None or v >= 1, "an integer >= 1 (or null)")
+
+    nproc = cfg.distributed.nproc_per_node
+    if cfg.parallelism.name == "single":
+        if nproc not in (None, 1) or (inside_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            raise ConfigError(
+                "distributed.nproc_per_node",
+                nproc,
+                "parallelism=single runs one rank; use parallelism=ddp for more",
+            )
+        nproc = 1
+    elif nproc is None:
+        nproc = default_nproc_per_node(device_type)
+    if device_type == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError("distributed.nproc_per_node", nproc, f"at most the {torch.cuda.device_count()} visible GPUs")
+
+    for key in ("trainer.max_steps", "trainer.grad_accum_steps", "trainer.log_every", "trainer.eval_batches"):
+        _check(cfg, key, _at_least(1), "an integer >= 1")
+    _check(cfg, "trainer.eval_every", _at_least(0), "an integer >= 0 (0: only at the end)")
+    _check(cfg, "trainer.grad_clip_norm", _at_least(0), "a number >= 0 (0: no clipping)")
+
+    _check(cfg, "data.micro_batch_size", _at_least(1), "an integer >= 1 (sequences per rank per micro-step)")
+    _check(
+        cfg,
+        "data.seq_len",
+        lambda v: 1 <= v <= cfg.model.max_seq_len,
+        f"1..model.max_seq_len ({cfg.model.max_seq_len})",
+    )
+    _check(cfg, "data.corpus.val_fraction", lambda v: 0 < v <= 0.5, "a fraction in (0, 0.5]")
+    if "vocab_size" in cfg.data.corpus:
+        _check(
+            cfg,
+            "data.corpus.vocab_size",
+            lambda v: 2 <= v <= cfg.model.vocab_size,
+            f"2..model.vocab_size ({cfg.model.vocab_size})",
+        )
+
+    for key in ("model.d_model", "model.n_layers", "model.vocab_size", "model.max_seq_len"):
+        _check(cfg, key, _at_least(1), "an integer >= 1")
+    if "n_heads" in cfg.model:
+        _check(
+            cfg,
+            "model.n_heads",
+            lambda v: v >= 1 and cfg.model.d_model % v == 0,
+            f"a divisor of model.d_model ({cfg.model.d_model})",
+        )
+
+    _check(cfg, "optimizer.lr", _positive, "a learning rate > 0")
+    _check(cfg, "optimizer.weight_decay", _at_least(0), "a number >= 0")
+    if "momentum" in cfg.optimizer:
+        _check(cfg, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
+    _check(cfg, "scheduler.warmup_steps", _at_least(0), "an integer >= 0")
+    _check(cfg, "scheduler.decay", _one_of("cosine", "linear", "constant"), "one of cosine, linear, constant")
+    _check(cfg, "scheduler.min_lr_ratio", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+
+    _check(
+        cfg,
+        "precision.compute_dtype",
+        _one_of("float32", "bfloat16", "float16"),
+        "one of float32, bfloat16, float16",
+    )
+    supported, reason = autocast_supported(device_type, cfg.precision.compute_dtype)
+    if not supported:
+        raise ConfigError("precision", cfg.precision.name, f"not available on {device_type}: {reason}")
+
+    _check(cfg, "comm.bucket_cap_mb", _positive, "a size in MiB > 0")
+    _check(cfg, "checkpoint.every_n_steps", _at_least(0), "an integer >= 0 (0: no periodic checkpoints)")
+    _check(cfg, "checkpoint.keep_last", _at_least(0), "an integer >= 0 (0: keep all)")
+
+    if cfg.stage is not None and cfg.parallelism.name not in STAGED_STRATEGIES:
+        takers = ", ".join(f"parallelism={name}" for name in STAGED_STRATEGIES) or "no strategy available yet"
+        raise ConfigError(
+            "stage", cfg.stage, f"parallelism={cfg.parallelism.name} takes no stage; stages apply to {takers}"
+        )
+    return LaunchPlan(device_type=device_type, nproc_per_node=nproc)

@@ -1,0 +1,179 @@
+"""distrain's one entry point: compose the config, validate it, start the ranks, build the components, train.
+
+python train.py                                   # default: GPT on stdlib source, DDP over 2 CPU ranks
+python train.py parallelism=single optimizer=sgd  # any group option, any key, as a Hydra override
+torchrun --nproc_per_node 4 train.py ...          # under an outer launcher: one rank per process
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.config import TrainerConfig, register_configs
+from distrain.data.sampler import Batch, GlobalBatchSampler, TokenWindows, TrainBatches, validation_batches
+from distrain.dist import DistEnv, configure_logging, init_distributed, shutdown_distributed
+from distrain.launch import ChildFailedError, inside_launcher, launcher_rank, run_ranks
+from distrain.logger.reporter import RunReporter
+from distrain.loop import TrainState, train
+from distrain.parallelism.base import Strategy, StrategyContext
+from distrain.seeding import seed_everything
+from distrain.validate import ConfigError, validate
+
+register_configs()
+
+
+@dataclass
+class RankRun:
+    """The components of one rank, built in dependency order and handed to the loop."""
+
+    strategy: Strategy
+    data: TrainBatches
+    val_batches: list[Batch]
+    reporter: RunReporter
+    checkpointer: Checkpointer
+    settings: TrainerConfig
+    tokens_per_step: int
+    model_parameters: int
+
+
+def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
+    """Build model, strategy (which wraps or shards it and builds the optimizer), data, reporting, checkpoints."""
+    settings = TrainerConfig(**cfg.trainer)
+    seed_everything(settings.seed)
+    model = instantiate(cfg.model)
+    model_parameters = sum(p.numel() for p in model.parameters())
+    strategy = instantiate(cfg.parallelism)
+    strategy.setup(
+        model,
+        StrategyContext(
+            env=env,
+            build_optimizer=instantiate(cfg.optimizer),
+            build_scheduler=partial(instantiate(cfg.scheduler), total_steps=settings.max_steps),
+            precision=instantiate(cfg.precision),
+            comm=instantiate(cfg.comm),
+            grad_clip_norm=settings.grad_clip_norm,
+        ),
+    )
+    corpus = instantiate(cfg.data.corpus)
+    dp_rank, dp_size = strategy.data_parallel
+    train_windows = TokenWindows(corpus.train, cfg.data.seq_len)
+    sampler = GlobalBatchSampler(
+        num_samples=len(train_windows),
+        micro_batch_size=cfg.data.micro_batch_size,
+        grad_accum_steps=settings.grad_accum_steps,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=settings.seed,
+    )
+    val_batches = validation_batches(
+        TokenWindows(corpus.val, cfg.data.seq_len),
+        micro_batch_size=cfg.data.micro_batch_size,
+        num_batches=settings.eval_batches,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
+    reporter = RunReporter(
+        run_dir=run_dir,
+        tracker=instantiate(cfg.logger),
+        enabled=env.is_main,
+        max_steps=settings.max_steps,
+        progress_bar=settings.progress_bar,
+    )
+    return RankRun(
+        strategy=strategy,
+        data=TrainBatches(train_windows, sampler),
+        val_batches=val_batches,
+        reporter=reporter,
+        checkpointer=instantiate(cfg.checkpoint)(run_dir=run_dir),
+        settings=settings,
+        tokens_per_step=sampler.global_batch_size * cfg.data.seq_len,
+        model_parameters=model_parameters,
+    )
+
+
+@record
+def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> dict[str, Any]:
+    """One rank's work: join the process group, build every component, train, report."""
+    cfg = OmegaConf.create(cfg_dict)
+    env = init_distributed(**{k: cfg.distributed[k] for k in ("device", "backend", "timeout_s", "threads_per_rank")})
+    try:
+        shared = [run_dir, run_name]
+        dist.broadcast_object_list(shared, src=0)  # under torchrun only rank 0 composed the real run directory
+        run_dir, run_name = shared
+        configure_logging(env.rank, Path(run_dir) / "train.log")
+        run = build(cfg, env, run_dir)
+        state = TrainState()
+        run.reporter.start(run_name=run_name, config=cfg_dict, initial_step=state.step)
+        summary = train(
+            strategy=run.strategy,
+            data=run.data,
+            val_batches=run.val_batches,
+            state=state,
+            settings=run.settings,
+            reporter=run.reporter,
+            checkpointer=run.checkpointer,
+            tokens_per_step=run.tokens_per_step,
+            device=env.device,
+        )
+        summary |= {
+            "world_size": env.world_size,
+            "parallelism": run.strategy.name,
+            "precision": cfg.precision.name,
+            "model_parameters": run.model_parameters,
+            "global_batch_size": run.data.sampler.global_batch_size,
+        }
+        run.reporter.finish(summary)
+        return summary
+    finally:
+        shutdown_distributed()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    """Validate, then run ``build_and_train`` on every rank; returns the final validation loss (for sweepers)."""
+    try:
+        plan = validate(cfg)
+    except ConfigError as err:
+        print(f"distrain: invalid config: {err}", file=sys.stderr)
+        sys.exit(2)
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    cfg_dict["distributed"]["device"] = plan.device_type
+    run_name = f"{hydra_cfg.job.name}/{Path(run_dir).relative_to(Path(run_dir).parents[1])}"
+    try:
+        results = run_ranks(
+            build_and_train,
+            (cfg_dict, run_dir, run_name),
+            nproc_per_node=plan.nproc_per_node,
+            max_restarts=cfg.distributed.max_restarts,
+        )
+    except ChildFailedError as err:
+        print(f"distrain: training failed\n{err.format_msg()}", file=sys.stderr)
+        sys.exit(1)
+    summary = results.get(0)
+    return summary["final_val_loss"] if summary else None
+
+
+if __name__ == "__main__":
+    if inside_launcher() and launcher_rank() != 0:
+        # Under torchrun every process runs Hydra; only rank 0 may create the run directory.
+        sys.argv += [
+            "hydra.output_subdir=null",
+            "hydra.run.dir=.",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+        ]
+    main()
