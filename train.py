@@ -8,6 +8,7 @@ torchrun --nproc_per_node 4 train.py ...          # under an outer launcher: one
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.config import TrainerConfig, register_configs
 from distrain.data.sampler import Batch, GlobalBatchSampler, TokenWindows, TrainBatches, validation_batches
-from distrain.dist import DistEnv, configure_logging, init_distributed, shutdown_distributed
+from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_failure, shutdown_distributed
 from distrain.launch import ChildFailedError, inside_launcher, launcher_rank, run_ranks
 from distrain.logger.reporter import RunReporter
 from distrain.loop import TrainState, train
@@ -32,6 +33,8 @@ from distrain.seeding import seed_everything
 from distrain.validate import ConfigError, validate
 
 register_configs()
+
+PEER_FAILURE_GRACE_S = 5.0
 
 
 @dataclass
@@ -108,6 +111,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
     """One rank's work: join the process group, build every component, train, report."""
     cfg = OmegaConf.create(cfg_dict)
     env = init_distributed(**{k: cfg.distributed[k] for k in ("device", "backend", "timeout_s", "threads_per_rank")})
+    completed = False
     try:
         shared = [run_dir, run_name]
         dist.broadcast_object_list(shared, src=0)  # under torchrun only rank 0 composed the real run directory
@@ -135,9 +139,16 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
             "global_batch_size": run.data.sampler.global_batch_size,
         }
         run.reporter.finish(summary)
+        del run  # release DDP's reducer, which holds the process group, before leaving the group
+        completed = True
         return summary
+    except Exception as err:
+        if is_peer_failure(err):
+            # Let the rank that really failed be reported first: the launcher names the earliest failure.
+            time.sleep(PEER_FAILURE_GRACE_S)
+        raise
     finally:
-        shutdown_distributed()
+        shutdown_distributed(graceful=completed)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -1,7 +1,7 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore.
 
-Each group in ``conf/<group>/`` starts its YAML files with ``defaults: [base_<kind>, _self_]`` so that the
-option is checked against one of these dataclasses: a misspelt key or a wrongly typed value is refused at
+Each option in ``conf/<group>/`` extends one of these schemas (see ``SCHEMAS``), so a misspelt key or a wrongly
+typed value is refused at
 composition time, before any rank starts. Defaults live here and nowhere else.
 """
 
@@ -236,15 +236,17 @@ class Config:
     stage: int | None = None  # ZeRO/FSDP sharding stage, written top-level: `parallelism=zero stage=3`
 
 
+# Schemas live in ``schema/<group>`` (not offered as options); each option's YAML extends one with
+# ``defaults: [/schema/<group>/<name>@_here_, _self_]``.
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"base_gpt": GPTConfig, "base_mlp": MLPConfig},
-    "data": {"base_stdlib_data": StdlibDataConfig, "base_synthetic_data": SyntheticDataConfig},
-    "parallelism": {"base_single": SingleConfig, "base_ddp": DDPConfig},
-    "optimizer": {"base_adamw": AdamWConfig, "base_sgd": SGDConfig},
-    "precision": {"base_precision": PrecisionConfig},
-    "comm": {"base_ddp_comm": DDPCommConfig},
-    "checkpoint": {"base_checkpoint": CheckpointConfig},
-    "logger": {"base_none": NoTrackerConfig, "base_jsonl": JsonlTrackerConfig},
+    "model": {"gpt": GPTConfig, "mlp": MLPConfig},
+    "data": {"stdlib": StdlibDataConfig, "synthetic": SyntheticDataConfig},
+    "parallelism": {"single": SingleConfig, "ddp": DDPConfig},
+    "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
+    "precision": {"autocast": PrecisionConfig},
+    "comm": {"ddp": DDPCommConfig},
+    "checkpoint": {"dcp": CheckpointConfig},
+    "logger": {"none": NoTrackerConfig, "jsonl": JsonlTrackerConfig},
 }
 
 CONFIG_GROUPS = ("model", "data", "parallelism", "optimizer", "precision", "comm", "checkpoint", "logger")
@@ -256,4 +258,4 @@ def register_configs() -> None:
     store.store(name="base_config", node=Config)
     for group, schemas in SCHEMAS.items():
         for name, node in schemas.items():
-            store.store(group=group, name=name, node=node)
+            store.store(group=f"schema/{group}", name=name, node=node)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import logging
 import os
 import sys
@@ -68,9 +70,36 @@ def init_distributed(*, device: str, backend: str | None, timeout_s: float, thre
     return DistEnv(rank, world_size, local_rank, local_world_size, torch_device, backend)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_distributed(graceful: bool = True) -> None:
+    """Leave the process group; ``graceful`` (after success) first runs a barrier, a collective.
+
+    After a failure there is no barrier: a peer may be blocked in another collective, and a barrier would
+    pair with it and hang both.
+
+    Drop every model wrapper (DDP's reducer holds the group) before calling this. The barrier lets gloo's
+    worker threads finish releasing earlier collectives' Python tensors: destroying the group while one still
+    needs the GIL deadlocks the process at exit (seen with torch 2.13 after all_gather_object).
+    """
+    if not dist.is_initialized():
+        return
+    if graceful:
+        gc.collect()
+        with contextlib.suppress(RuntimeError):
+            dist.barrier()
+    dist.destroy_process_group()
+
+
+_PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` only says that another rank went away (a consequence, not the root cause)."""
+    return isinstance(err, dist.DistNetworkError) or any(marker in str(err) for marker in _PEER_FAILURE_MARKERS)
 
 
 def configure_logging(rank: int, log_file: Path | None = None) -> None:

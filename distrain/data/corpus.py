@@ -39,26 +39,29 @@ def stdlib_source_files() -> list[Path]:
     ]
 
 
-def stdlib_source_corpus(*, max_bytes: int, val_fraction: float) -> TokenCorpus:
+def stdlib_source_corpus(*, max_bytes: int, val_fraction: float, block_bytes: int = 16384) -> TokenCorpus:
     """Byte-level corpus (vocabulary 256) of the standard library's source, read in sorted file order.
 
     Args:
-        max_bytes: stop after this many bytes (files are taken whole until the budget is reached).
-        val_fraction: about this share of the files (every ``round(1/val_fraction)``-th) is kept for validation.
+        max_bytes: read the first ``max_bytes`` bytes of the concatenated files.
+        val_fraction: every ``round(1 / val_fraction)``-th block of ``block_bytes`` goes to validation, so both
+            splits sample the same files rather than validation being the last package read.
+        block_bytes: granularity of the split.
     """
-    # Every k-th file goes to validation, so both splits sample the whole library rather than the last package.
-    every = max(2, round(1 / val_fraction))
-    train_chunks, val_chunks, total = [], [], 0
-    for index, path in enumerate(stdlib_source_files()):
+    chunks, total = [], 0
+    for path in stdlib_source_files():
         if total >= max_bytes:
             break
-        data = path.read_bytes()[: max_bytes - total]
-        (val_chunks if index % every == every - 1 else train_chunks).append(data)
-        total += len(data)
+        chunks.append(path.read_bytes()[: max_bytes - total])
+        total += len(chunks[-1])
+    tokens = _bytes_to_tokens(b"".join(chunks))
+    blocks = torch.split(tokens, block_bytes)
+    every = max(2, round(1 / val_fraction))
+    is_val = [i % every == every // 2 for i in range(len(blocks))]
     return TokenCorpus(
         name="stdlib_source",
-        train=_bytes_to_tokens(b"".join(train_chunks)),
-        val=_bytes_to_tokens(b"".join(val_chunks)),
+        train=torch.cat([b for b, v in zip(blocks, is_val, strict=True) if not v]),
+        val=torch.cat([b for b, v in zip(blocks, is_val, strict=True) if v]),
         vocab_size=256,
     )
 

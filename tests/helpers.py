@@ -1,0 +1,75 @@
+"""Shared test helpers: compose configs like train.py does, run code on real gloo ranks, run train.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from distrain.config import register_configs
+from distrain.dist import DistEnv, init_distributed, shutdown_distributed
+from distrain.launch import run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+
+# Small, fast settings shared by most tests: 200 kB of corpus, 2-layer model.
+FAST = [
+    "data.corpus.max_bytes=200000",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.max_seq_len=32",
+    "data.micro_batch_size=4",
+    "trainer.log_every=1",
+    "checkpoint=none",
+]
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config train.py would see for these command-line overrides."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def on_ranks(fn: Any, nprocs: int, *args: Any) -> dict[int, Any]:
+    """Run ``fn(*args)`` on ``nprocs`` real gloo ranks (spawned processes unless nprocs == 1)."""
+    return run_ranks(fn, args, nproc_per_node=nprocs)
+
+
+def join(cfg: DictConfig) -> DistEnv:
+    return init_distributed(device="cpu", backend="gloo", timeout_s=120, threads_per_rank=1)
+
+
+def leave() -> None:
+    shutdown_distributed()
+
+
+def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters of the unwrapped model, detached on CPU."""
+    inner = getattr(module, "module", module)
+    return {name: tensor.detach().cpu().clone() for name, tensor in inner.state_dict().items()}
+
+
+def run_train(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python train.py <args>`` in a subprocess, from ``cwd``."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,0 +1,108 @@
+"""train.py end to end in a subprocess: run directory, multirun, torchrun, a crashing rank, the default run."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from helpers import FAST, REPO, run_train
+
+pytestmark = pytest.mark.integration
+
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s"}
+SUMMARY_KEYS = {
+    "final_train_loss",
+    "final_val_loss",
+    "steps",
+    "world_size",
+    "parallelism",
+    "wall_time_s",
+    "peak_memory_bytes_per_rank",
+}
+
+
+def run_dirs(root):
+    return sorted(p.parent.parent for p in root.rglob(".hydra/config.yaml"))
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_run_dir(run_dir, steps, world_size):
+    records = read_metrics(run_dir)
+    assert records and all(METRIC_KEYS <= r.keys() for r in records if "loss" in r)
+    assert records[-1]["step"] == steps
+    assert all(r["tokens_per_s"] > 0 for r in records if "loss" in r)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["steps"] == steps and summary["world_size"] == world_size
+    assert len(summary["peak_memory_bytes_per_rank"]) == world_size
+    assert all(m > 0 for m in summary["peak_memory_bytes_per_rank"])
+    return records, summary
+
+
+def test_one_run_one_directory_with_metrics_summary_config_and_checkpoints(tmp_path):
+    result = run_train([*FAST, "checkpoint=default", "checkpoint.every_n_steps=10", "trainer.max_steps=30"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    records, summary = check_run_dir(run_dir, steps=30, world_size=2)
+    assert summary["parallelism"] == "ddp"
+    assert summary["final_train_loss"] < records[0]["loss"] - 0.5
+    assert (run_dir / ".hydra" / "config.yaml").read_text().count("max_steps: 30") == 1
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000020", "step_00000030"]  # keep_last=2, written atomically (no .tmp left)
+
+
+def test_multirun_gives_one_directory_per_job(tmp_path):
+    result = run_train(["-m", *FAST, "trainer.max_steps=5", "trainer.seed=1,2"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    dirs = run_dirs(tmp_path)
+    assert [d.name for d in dirs] == ["0", "1"]
+    assert all(d.parent.parent.parent.name == "multirun" for d in dirs)
+    losses = [check_run_dir(d, steps=5, world_size=2)[1]["final_train_loss"] for d in dirs]
+    assert losses[0] != losses[1]  # the seeds really differed
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_torchrun_gives_one_directory(tmp_path):
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
+    result = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node=2", str(REPO / "train.py"), *FAST, "trainer.max_steps=5"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    check_run_dir(run_dir, steps=5, world_size=2)
+    assert len(list((tmp_path / "outputs").glob("*/*"))) == 1
+
+
+def test_a_crashing_rank_fails_the_job_with_its_error(tmp_path):
+    result = run_train(
+        [*FAST, "trainer.max_steps=50"], tmp_path, env={"DISTRAIN_INJECT_FAULT": "raise:1:3"}, timeout=180
+    )
+    assert result.returncode == 1
+    assert "injected fault on rank 1 after step 3" in result.stderr
+    assert "rank      : 1" in result.stderr
+
+
+@pytest.mark.slow
+def test_default_training_learns(tmp_path):
+    """`python train.py` exactly as the README says: 200 steps of the default GPT on 2 CPU ranks."""
+    result = run_train([], tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    records, summary = check_run_dir(run_dir, steps=200, world_size=2)
+    assert summary["final_train_loss"] < 0.6 * records[0]["loss"]
+    assert summary["final_val_loss"] < 0.7 * records[0]["loss"]
+    print(f"default run: first logged loss {records[0]['loss']:.3f} -> final {summary['final_train_loss']:.3f}")
+
+
+def test_module_is_importable_without_running_hydra():
+    # Spawned ranks re-import train.py; importing must not start Hydra.
+    out = subprocess.run([sys.executable, "-c", "import train"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,83 @@
+"""Invalid values are refused before any rank starts: in-process (the message) and through train.py (the exit)."""
+
+import pytest
+from helpers import FAST, compose_config, run_train
+
+from distrain.precision.policy import autocast_supported
+from distrain.validate import ConfigError, validate
+
+BAD_INPUTS = [
+    # (override, key named in the message, what the message must say is allowed)
+    ("distributed.nproc_per_node=0", "distributed.nproc_per_node", ">= 1"),
+    ("distributed.nproc_per_node=-2", "distributed.nproc_per_node", ">= 1"),
+    ("data.micro_batch_size=0", "data.micro_batch_size", ">= 1"),
+    ("optimizer.lr=-0.001", "optimizer.lr", "> 0"),
+    ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps", ">= 1"),
+    ("trainer.max_steps=0", "trainer.max_steps", ">= 1"),
+    ("distributed.device=cuda", "distributed.device", "no CUDA device"),
+    ("distributed.backend=nccl", "distributed.backend", "nccl needs CUDA"),
+    ("distributed.device=tpu", "distributed.device", "auto, cpu, cuda"),
+    ("model.n_heads=3", "model.n_heads", "divisor of model.d_model"),
+    ("data.seq_len=4096", "data.seq_len", "model.max_seq_len"),
+    ("scheduler.decay=exp", "scheduler.decay", "cosine, linear, constant"),
+    ("optimizer=sgd optimizer.momentum=1.5", "optimizer.momentum", "[0, 1)"),
+    ("stage=3", "stage", "takes no stage"),
+    ("parallelism=single distributed.nproc_per_node=2", "distributed.nproc_per_node", "parallelism=single"),
+    ("precision=fp16 precision.compute_dtype=float64", "precision.compute_dtype", "float32, bfloat16, float16"),
+]
+
+
+@pytest.mark.parametrize("override,key,allowed", BAD_INPUTS)
+def test_bad_value_names_key_value_and_what_is_allowed(override, key, allowed):
+    cfg = compose_config([*FAST, *override.split()])
+    if "cuda" in override:
+        pytest.importorskip("torch").cuda.is_available() and pytest.skip("a GPU is present")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == key
+    assert allowed in str(err.value)
+    assert f"{key}=" in str(err.value)
+
+
+def test_autocast_probe_reports_unsupported_combinations():
+    assert autocast_supported("cpu", "float32") == (True, "")
+    assert autocast_supported("cpu", "bfloat16")[0]
+    ok, reason = autocast_supported("cpu", "float16")
+    assert ok or reason  # a refusal always carries its reason
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("distributed.nproc_per_node=0", "distributed.nproc_per_node=0 is not allowed"),
+        ("data.micro_batch_size=0", "data.micro_batch_size=0 is not allowed"),
+        ("optimizer.lr=-1", "optimizer.lr=-1.0 is not allowed"),
+        ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps=0 is not allowed"),
+        ("distributed.device=cuda", "distributed.device='cuda' is not allowed"),
+        ("stage=3", "parallelism=ddp takes no stage"),
+    ],
+)
+def test_train_py_prints_one_line_and_exits_2(tmp_path, override, needle):
+    result = run_train(override.split(), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("parallelism=warp", "Could not find 'parallelism/warp'"),
+        ("trainer.max_step=5", "max_step"),
+        ("trainer.max_steps=many", "many"),
+    ],
+)
+def test_train_py_refuses_composition_errors_without_traceback(tmp_path, override, needle):
+    result = run_train([override], cwd=tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
