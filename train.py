@@ -7,6 +7,7 @@ torchrun --nproc_per_node 4 train.py ...          # under an outer launcher: one
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -27,14 +28,16 @@ from distrain.data.sampler import Batch, GlobalBatchSampler, TokenWindows, Train
 from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_failure, shutdown_distributed
 from distrain.launch import ChildFailedError, inside_launcher, launcher_rank, run_ranks
 from distrain.logger.reporter import RunReporter
-from distrain.loop import TrainState, train
+from distrain.loop import TrainState, loop_state, restore_loop_state, train
 from distrain.parallelism.base import Strategy, StrategyContext
+from distrain.parallelism.memory import optimizer_state_bytes_per_param, predicted_model_state_bytes
 from distrain.seeding import seed_everything
 from distrain.validate import ConfigError, validate
 
 register_configs()
 
 PEER_FAILURE_GRACE_S = 5.0
+log = logging.getLogger("distrain.train")
 
 
 @dataclass
@@ -67,6 +70,9 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
             precision=instantiate(cfg.precision),
             comm=instantiate(cfg.comm),
             grad_clip_norm=settings.grad_clip_norm,
+            micro_batch_size=cfg.data.micro_batch_size,
+            grad_accum_steps=settings.grad_accum_steps,
+            run_dir=run_dir,
         ),
     )
     corpus = instantiate(cfg.data.corpus)
@@ -119,6 +125,11 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
         configure_logging(env.rank, Path(run_dir) / "train.log")
         run = build(cfg, env, run_dir)
         state = TrainState()
+        resume_from = run.checkpointer.resume_path()
+        if resume_from is not None:
+            loaded = Checkpointer.load(resume_from, run.strategy, loop_state(state, run.data))
+            restore_loop_state(loaded, state, run.data)
+            log.info("resumed from %s at step %d", resume_from, state.step)
         run.reporter.start(run_name=run_name, config=cfg_dict, initial_step=state.step)
         summary = train(
             strategy=run.strategy,
@@ -137,6 +148,16 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
             "precision": cfg.precision.name,
             "model_parameters": run.model_parameters,
             "global_batch_size": run.data.sampler.global_batch_size,
+            "predicted_model_state_bytes": predicted_model_state_bytes(
+                strategy=run.strategy.name,
+                stage=cfg.parallelism.get("stage"),
+                num_params=run.model_parameters,
+                world_size=env.world_size,
+                optimizer_bytes=optimizer_state_bytes_per_param(
+                    cfg.optimizer._target_.rsplit(".", 1)[1], cfg.optimizer.get("momentum", 0.0)
+                ),
+                low_precision=run.strategy.name == "zero" and cfg.precision.name != "fp32",
+            ),
         }
         run.reporter.finish(summary)
         del run  # release DDP's reducer, which holds the process group, before leaving the group

@@ -175,6 +175,7 @@ class CheckpointConfig:
     keep_last: int = 2  # older complete checkpoints are deleted; 0 keeps all
     dir: str | None = None  # default: <run dir>/checkpoints
     save_final: bool = True
+    resume: str = "never"  # never | auto (newest complete checkpoint in dir) | <path of a step_* directory>
 
 
 # --------------------------------------------------------------------------------------------- logger

@@ -38,15 +38,14 @@ class TrainState:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
 
-def checkpoint_state(state: TrainState, strategy: Strategy, data: TrainBatches) -> dict[str, Any]:
-    """Everything a checkpoint holds, as one state dict (loading it in place restores all three)."""
-    return {"train": state.state_dict(), "data": data.state_dict(), **strategy.state_dict()}
+def loop_state(state: TrainState, data: TrainBatches) -> dict[str, Any]:
+    """The loop's part of a checkpoint (the strategy saves model, optimizer, scheduler and scaler)."""
+    return {"train": state.state_dict(), "data": data.state_dict()}
 
 
-def restore_checkpoint_state(loaded: dict[str, Any], state: TrainState, strategy: Strategy, data: TrainBatches) -> None:
+def restore_loop_state(loaded: dict[str, Any], state: TrainState, data: TrainBatches) -> None:
     state.load_state_dict(loaded["train"])
     data.load_state_dict(loaded["data"])
-    strategy.load_state_dict(loaded)
 
 
 def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -105,6 +104,8 @@ def train(
                 "tokens_per_s": tokens_per_step * window_steps / elapsed,
                 "tokens_seen": state.tokens_seen,
             }
+            if not logged_losses:
+                record["model_state_bytes"] = strategy.model_state_bytes().total
             logged_losses.append(loss)
             window.zero_()
             window_steps = 0
@@ -113,12 +114,12 @@ def train(
         if (settings.eval_every > 0 and state.step % settings.eval_every == 0) or final:
             val_loss = record["val_loss"] = evaluate(strategy, val_batches)
         if checkpointer.due(state.step, final=final):
-            checkpointer.save(state.step, checkpoint_state(state, strategy, data))
+            checkpointer.save(state.step, strategy, loop_state(state, data))
         window_start += time.perf_counter() - paused  # evaluation and checkpoints stay out of throughput
         if len(record) > 1:
             reporter.log(record)
-    peak_memory = [0] * dist.get_world_size()
-    dist.all_gather_object(peak_memory, peak_memory_bytes(device))
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (peak_memory_bytes(device), strategy.model_state_bytes().as_dict()))
     return {
         "steps": state.step,
         "first_logged_loss": logged_losses[0] if logged_losses else None,
@@ -126,5 +127,7 @@ def train(
         "final_val_loss": val_loss,
         "tokens_seen": state.tokens_seen,
         "wall_time_s": time.perf_counter() - started,
-        "peak_memory_bytes_per_rank": peak_memory,
+        "peak_memory_bytes_per_rank": [peak for peak, _ in per_rank],
+        "model_state_bytes": per_rank[0][1],
+        "model_state_bytes_per_rank": [state_bytes["total"] for _, state_bytes in per_rank],
     }

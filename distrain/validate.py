@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,6 +147,9 @@ def validate(cfg: DictConfig) -> LaunchPlan:
     _check(cfg, "comm.bucket_cap_mb", _positive, "a size in MiB > 0")
     _check(cfg, "checkpoint.every_n_steps", _at_least(0), "an integer >= 0 (0: no periodic checkpoints)")
     _check(cfg, "checkpoint.keep_last", _at_least(0), "an integer >= 0 (0: keep all)")
+    resume = cfg.checkpoint.resume
+    if resume not in ("never", "auto") and not (Path(resume) / "manifest.json").is_file():
+        raise ConfigError("checkpoint.resume", resume, "never, auto, or the path of a complete step_* checkpoint")
 
     if cfg.stage is not None and cfg.parallelism.name not in STAGED_STRATEGIES:
         takers = ", ".join(f"parallelism={name}" for name in STAGED_STRATEGIES) or "no strategy available yet"

@@ -1,8 +1,8 @@
 """Sharded, atomic checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout of one checkpoint, ``<dir>/step_00000100/``:
-    ``*.distcp`` + ``.metadata``  model / optimizer / scheduler / scaler / loop state, each rank writing its shards
-                                  (replicated tensors are written once, by the lowest rank holding them);
+    strategy files                written by the strategy: DCP's ``*.distcp`` + ``.metadata`` (each rank writes
+                                  its shards, replicated tensors once), or DeepSpeed's own sharded format;
     ``rng_rank<r>.pt``            each rank's RNG states (they differ between ranks, so they are not in DCP);
     ``manifest.json``             written last: the files with their sizes.
 Everything is written into ``step_00000100.tmp`` and renamed when all ranks are done, so a crash mid-save never
@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +52,38 @@ class Checkpointer:
         keep_last: complete checkpoints to keep; 0 keeps all.
         dir: checkpoint directory, stable across restarts of the same run.
         save_final: also save after the last step.
+        resume: ``never``, ``auto`` (the newest complete checkpoint in ``dir``, if any) or a checkpoint path.
     """
 
-    def __init__(self, *, run_dir: str, every_n_steps: int, keep_last: int, dir: str | None, save_final: bool) -> None:
+    def __init__(
+        self, *, run_dir: str, every_n_steps: int, keep_last: int, dir: str | None, save_final: bool, resume: str
+    ) -> None:
         self.dir = Path(dir) if dir else Path(run_dir) / "checkpoints"
         self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
+        self.resume = resume
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint to start from, or None for a fresh start."""
+        if self.resume == "never":
+            return None
+        if self.resume == "auto":
+            complete = self.complete_checkpoints()
+            return complete[-1] if complete else None
+        path = Path(self.resume)
+        if not (path / "manifest.json").is_file():
+            raise FileNotFoundError(f"checkpoint.resume={self.resume}: no complete checkpoint there (no manifest.json)")
+        return path
 
     def due(self, step: int, *, final: bool) -> bool:
         if final:
             return self.save_final
         return self.every_n_steps > 0 and step % self.every_n_steps == 0
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write ``state`` for ``step``. Collective: every rank must call it (DCP gathers a global plan)."""
+    def save(self, step: int, strategy: Any, extra: dict[str, Any]) -> Path:
+        """Write a checkpoint of ``strategy`` plus loop state ``extra`` for ``step``.
+
+        Collective: every rank must call it (the strategy's writer plans globally).
+        """
         final_path = self.dir / f"step_{step:08d}"
         tmp_path = self.dir / f"step_{step:08d}.tmp"
         rank = dist.get_rank()
@@ -73,11 +91,11 @@ class Checkpointer:
             shutil.rmtree(tmp_path, ignore_errors=True)
             tmp_path.mkdir(parents=True)
         dist.barrier()
-        dcp.save(state, checkpoint_id=tmp_path)
+        strategy.save_checkpoint(tmp_path, extra)
         torch.save(rng_state(), tmp_path / f"rng_rank{rank}.pt")
         dist.barrier()
         if rank == 0:
-            files = {p.name: p.stat().st_size for p in sorted(tmp_path.iterdir())}
+            files = {str(p.relative_to(tmp_path)): p.stat().st_size for p in sorted(tmp_path.rglob("*")) if p.is_file()}
             (tmp_path / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
             shutil.rmtree(final_path, ignore_errors=True)
             tmp_path.rename(final_path)
@@ -99,12 +117,13 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     @staticmethod
-    def load(path: Path, state: dict[str, Any]) -> None:
-        """Load ``path`` into ``state`` in place (DCP reshards to this run's layout) and restore this rank's RNG.
+    def load(path: Path, strategy: Any, extra: dict[str, Any]) -> dict[str, Any]:
+        """Restore ``strategy`` and this rank's RNG from ``path``; return the loop state (``extra`` filled).
 
         Collective: every rank must call it.
         """
-        dcp.load(state, checkpoint_id=path)
+        loaded = strategy.load_checkpoint(path, extra)
         rng_file = path / f"rng_rank{dist.get_rank()}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
+        return loaded

@@ -4,7 +4,7 @@ backward and the optimizer step.
 A strategy owns one *whole optimizer step* (``train_step`` takes all micro-batches of the step), because the
 strategies disagree on who drives forward and backward: DDP and FSDP let us loop over micro-batches, DeepSpeed's
 engine owns backward and step, and a pipeline schedule owns forward and backward across stages. The train loop
-only ever calls ``setup``, ``train_step``, ``eval_loss`` and the state-dict pair.
+only ever calls ``setup``, ``train_step``, ``eval_loss``, the checkpoint pair and the memory report.
 """
 
 from __future__ import annotations
@@ -13,16 +13,20 @@ import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.dist import DistEnv
+from distrain.parallelism.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
 
 OptimizerFactory = Callable[[Iterable[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
@@ -39,6 +43,9 @@ class StrategyContext:
     precision: PrecisionPolicy
     comm: DDPComm
     grad_clip_norm: float  # 0 disables clipping
+    micro_batch_size: int  # sequences per rank per micro-step
+    grad_accum_steps: int  # micro-steps per optimizer step
+    run_dir: str
 
 
 @dataclass(frozen=True)
@@ -73,10 +80,14 @@ class Strategy(Protocol):
 
     def current_lr(self) -> float: ...
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, scheduler and scaler state, as sharded tensors where the strategy shards."""
+    def model_state_bytes(self) -> ModelStateBytes:
+        """Parameter, gradient and optimizer-state bytes this rank holds (measured at the first step's end)."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        """Write this rank's part of a sharded checkpoint into ``path`` (collective), with ``extra`` loop state."""
+
+    def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
+        """Restore from ``path`` (collective); ``extra`` is a template of the loop state, returned filled."""
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -109,6 +120,7 @@ class LocalBackwardStrategy:
         self.optimizer = ctx.build_optimizer(self.model.named_parameters())
         self.scheduler = ctx.build_scheduler(self.optimizer)
         self.scaler = ctx.precision.grad_scaler(self.device)
+        self._state_bytes: ModelStateBytes | None = None
 
     @property
     def data_parallel(self) -> tuple[int, int]:
@@ -128,6 +140,8 @@ class LocalBackwardStrategy:
         grad_norm = self.clip_gradients()
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self._state_bytes is None:  # once: gradients and optimizer state all exist only at this point
+            self._state_bytes = measure_torch_model_state(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return StepResult(loss=loss_sum / total_tokens, grad_norm=grad_norm)
@@ -136,7 +150,8 @@ class LocalBackwardStrategy:
         """Unscale, then clip to the global norm; returns the norm before clipping (computed either way)."""
         self.scaler.unscale_(self.optimizer)
         max_norm = self.ctx.grad_clip_norm if self.ctx.grad_clip_norm > 0 else float("inf")
-        return nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).detach()
+        norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
@@ -148,7 +163,13 @@ class LocalBackwardStrategy:
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def state_dict(self) -> dict[str, Any]:
+    def model_state_bytes(self) -> ModelStateBytes:
+        if self._state_bytes is None:
+            raise RuntimeError("model state is measured during the first train_step")
+        return self._state_bytes
+
+    def _state_dict(self) -> dict[str, Any]:
+        # DCP-ready: DDP's "module." prefix removed; FSDP/TP parameters and optimizer state stay sharded DTensors.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {
             "model": model_state,
@@ -157,13 +178,14 @@ class LocalBackwardStrategy:
             "scaler": self.scaler.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        dcp.save({**self._state_dict(), "extra": extra}, checkpoint_id=path)
+
+    def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
+        state = {**self._state_dict(), "extra": extra}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
+        return state["extra"]

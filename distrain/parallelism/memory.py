@@ -1,0 +1,106 @@
+"""Model-state memory per rank: measured from the tensors a rank holds, and predicted by the ZeRO formulas.
+
+Measured bytes count each distinct storage once (gradient bucket views, flat buffers and views into them are not
+double counted); sharded tensors (DTensor, DeepSpeed partitions) count only their local shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes this rank holds for parameters, gradients and optimizer state (including fp32 master copies)."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self) | {"total": self.total}
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class StorageCounter:
+    """Sums storage bytes over tensors, counting each storage once across all categories."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+
+    def bytes(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        total = 0
+        for tensor in tensors:
+            if tensor is None or not isinstance(tensor, torch.Tensor):
+                continue
+            tensor = local(tensor)
+            if tensor.device.type == "meta" or tensor.numel() == 0:
+                continue
+            key = _storage_key(tensor)
+            if key[0] != 0 and key not in self.seen:
+                self.seen.add(key)
+                total += key[1]
+        return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+def measure_torch_model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> ModelStateBytes:
+    """Parameters, their ``.grad`` and the optimizer's state tensors, as held on this rank right now."""
+    counter = StorageCounter()
+    params = list(model.parameters())
+    return ModelStateBytes(
+        params=counter.bytes(params),
+        grads=counter.bytes(p.grad for p in params),
+        optimizer=counter.bytes(optimizer_state_tensors(optimizer)),
+    )
+
+
+def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
+    """fp32 optimizer-state bytes per parameter: Adam(W) keeps two moments, SGD one buffer if momentum > 0."""
+    if optimizer == "adamw":
+        return 8
+    return 4 if momentum > 0 else 0
+
+
+def predicted_model_state_bytes(
+    *, strategy: str, stage: int | None, num_params: int, world_size: int, optimizer_bytes: int, low_precision: bool
+) -> int:
+    """Per-rank model-state bytes predicted by Rajbhandari et al. (2019), generalised over the optimizer.
+
+    ``low_precision`` means 2-byte parameters and gradients plus a 4-byte fp32 master copy in the optimizer (the
+    DeepSpeed bf16/fp16 layout: 2 + 2 + 12 = 16 bytes for Adam); otherwise parameters and gradients are fp32 and
+    the optimizer keeps only its moments (4 + 4 + 8 = 16 bytes for Adam). FSDP stages 2 and 3 both shard all
+    three at rest; stage 2 only keeps parameters gathered between forward and backward.
+    """
+    psi, n = num_params, world_size
+    param_b, grad_b = (2, 2) if low_precision else (4, 4)
+    opt_b = optimizer_bytes + (4 if low_precision else 0)
+    sharded = {
+        ("zero", 1): (param_b + grad_b, opt_b),
+        ("zero", 2): (param_b, grad_b + opt_b),
+        ("zero", 3): (0, param_b + grad_b + opt_b),
+        ("fsdp", 2): (0, param_b + grad_b + opt_b),
+        ("fsdp", 3): (0, param_b + grad_b + opt_b),
+    }
+    replicated, partitioned = sharded.get((strategy, stage), (param_b + grad_b + opt_b, 0))
+    return int(replicated * psi + partitioned * psi / n)
