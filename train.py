@@ -157,6 +157,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
                     cfg.optimizer._target_.rsplit(".", 1)[1], cfg.optimizer.get("momentum", 0.0)
                 ),
                 low_precision=run.strategy.name == "zero" and cfg.precision.name != "fp32",
+                master_copy=run.strategy.name == "zero",
             ),
         }
         run.reporter.finish(summary)

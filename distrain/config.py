@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 # ---------------------------------------------------------------------------------------------- model
 
@@ -97,6 +97,38 @@ class DDPConfig:
     _target_: str = "distrain.parallelism.ddp.DDPStrategy"
     name: str = "ddp"
     find_unused_parameters: bool = False
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """PyTorch FSDP2 (fully_shard per block and root). ``stage`` defaults to the top-level ``stage`` or 3."""
+
+    _target_: str = "distrain.parallelism.fsdp.FSDPStrategy"
+    name: str = "fsdp"
+    stage: int = "${stage_or:3}"  # 2: keep gathered parameters from forward to backward; 3: reshard after forward
+    cpu_offload: bool = False  # shards in CPU memory (GPU runs only)
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """DeepSpeed ZeRO. ``stage`` defaults to the top-level ``stage`` (``parallelism=zero stage=3``) or 2.
+
+    Sizes are in elements, as in DeepSpeed's ``zero_optimization`` section.
+    """
+
+    _target_: str = "distrain.parallelism.zero.ZeroStrategy"
+    name: str = "zero"
+    stage: int = "${stage_or:2}"
+    overlap_comm: bool = False  # overlap gradient reduction with backward (uses extra buffers)
+    contiguous_gradients: bool = True  # copy gradients into one contiguous buffer as they are produced
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    offload_optimizer: str = "none"  # none | cpu: optimizer state and step on the CPU (ZeRO-Offload; GPU runs)
+    offload_param: str = "none"  # none | cpu: parameters in CPU memory between uses (stage 3, GPU runs)
+    stage3_prefetch_bucket_size: int = 50_000_000
+    # 0, not DeepSpeed's 1e5: distrain's small models would otherwise keep every tensor resident, unsharded.
+    stage3_param_persistence_threshold: int = 0
+    stage3_max_live_parameters: int = 1_000_000_000
 
 
 # ------------------------------------------------------------------------------------------ optimizer
@@ -242,7 +274,7 @@ class Config:
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"gpt": GPTConfig, "mlp": MLPConfig},
     "data": {"stdlib": StdlibDataConfig, "synthetic": SyntheticDataConfig},
-    "parallelism": {"single": SingleConfig, "ddp": DDPConfig},
+    "parallelism": {"single": SingleConfig, "ddp": DDPConfig, "fsdp": FSDPConfig, "zero": ZeroConfig},
     "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
     "precision": {"autocast": PrecisionConfig},
     "comm": {"ddp": DDPCommConfig},
@@ -253,8 +285,15 @@ SCHEMAS: dict[str, dict[str, type]] = {
 CONFIG_GROUPS = ("model", "data", "parallelism", "optimizer", "precision", "comm", "checkpoint", "logger")
 
 
+def _stage_or(default: int, *, _root_: DictConfig) -> int:
+    """``${stage_or:N}``: the top-level ``stage`` if set, else N (so ``parallelism=zero stage=3`` works)."""
+    return _root_.stage if _root_.stage is not None else default
+
+
 def register_configs() -> None:
     """Store the root schema and every group's base schemas in Hydra's ConfigStore (idempotent)."""
+    if not OmegaConf.has_resolver("stage_or"):
+        OmegaConf.register_new_resolver("stage_or", _stage_or)
     store = ConfigStore.instance()
     store.store(name="base_config", node=Config)
     for group, schemas in SCHEMAS.items():

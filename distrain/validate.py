@@ -6,6 +6,7 @@ allowed, then exits with status 2.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.precision.policy import autocast_supported
 
-STAGED_STRATEGIES: tuple[str, ...] = ()  # strategies that take a top-level `stage=` (ZeRO / FSDP, added later)
+# Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
+STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3)}
 
 
 class ConfigError(ValueError):
@@ -151,9 +153,39 @@ def validate(cfg: DictConfig) -> LaunchPlan:
     if resume not in ("never", "auto") and not (Path(resume) / "manifest.json").is_file():
         raise ConfigError("checkpoint.resume", resume, "never, auto, or the path of a complete step_* checkpoint")
 
-    if cfg.stage is not None and cfg.parallelism.name not in STAGED_STRATEGIES:
-        takers = ", ".join(f"parallelism={name}" for name in STAGED_STRATEGIES) or "no strategy available yet"
-        raise ConfigError(
-            "stage", cfg.stage, f"parallelism={cfg.parallelism.name} takes no stage; stages apply to {takers}"
-        )
+    _validate_sharding(cfg, device_type)
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
+
+
+def _validate_sharding(cfg: DictConfig, device_type: str) -> None:
+    """Stages, offload and precision for the sharded strategies (zero, fsdp)."""
+    strategy = cfg.parallelism.name
+    takers = ", ".join(f"parallelism={name} ({'/'.join(map(str, st))})" for name, st in STAGES.items())
+    if strategy not in STAGES:
+        if cfg.stage is not None:
+            raise ConfigError("stage", cfg.stage, f"parallelism={strategy} takes no stage; stages apply to {takers}")
+        return
+    stage = cfg.parallelism.stage
+    key = "stage" if cfg.stage is not None else "parallelism.stage"
+    if stage not in STAGES[strategy]:
+        allowed = " or ".join(map(str, STAGES[strategy]))
+        raise ConfigError(key, stage, f"parallelism={strategy} takes stage {allowed}")
+    if strategy == "fsdp" and cfg.parallelism.cpu_offload and device_type != "cuda":
+        raise ConfigError(
+            "parallelism.cpu_offload", True, "offload moves shards from GPU to CPU memory; on cpu they are there"
+        )
+    if strategy == "zero":
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError("parallelism", "zero", "DeepSpeed is not installed (pip install deepspeed)")
+        for option in ("offload_optimizer", "offload_param"):
+            _check(cfg, f"parallelism.{option}", _one_of("none", "cpu"), "none or cpu")
+            if cfg.parallelism[option] != "none" and device_type != "cuda":
+                raise ConfigError(
+                    f"parallelism.{option}", cfg.parallelism[option], "none on cpu (offload moves GPU state to CPU)"
+                )
+        if cfg.parallelism.offload_param != "none" and stage != 3:
+            raise ConfigError("parallelism.offload_param", cfg.parallelism.offload_param, "none below stage 3")
+        if device_type == "cpu" and cfg.precision.compute_dtype == "float16":
+            raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with DeepSpeed on cpu (no fp16 there)")
+        for size in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+            _check(cfg, f"parallelism.{size}", _positive, "a number of elements > 0")

@@ -73,3 +73,48 @@ def run_train(
         text=True,
         timeout=timeout,
     )
+
+
+def train_steps(cfg_dicts: list[dict[str, Any]], steps: int, checkpoint_at: int | None = None) -> list[dict[str, Any]]:
+    """On every rank: build each config like train.py does and take ``steps`` optimizer steps.
+
+    With ``checkpoint_at``, a checkpoint is saved after that step, the run continues to ``steps``, then a fresh
+    build resumes from the checkpoint and repeats the remaining steps (``resumed_losses``).
+    """
+    import tempfile
+
+    import train
+    from distrain.checkpoint.checkpointer import Checkpointer
+    from distrain.loop import TrainState, loop_state, restore_loop_state
+
+    env = join(None)
+    results = []
+    try:
+        for cfg_dict in cfg_dicts:
+            cfg = OmegaConf.create(cfg_dict)
+            run_dir = tempfile.mkdtemp() if env.rank == 0 else ""
+            shared = [run_dir]
+            torch.distributed.broadcast_object_list(shared)
+            run = train.build(cfg, env, run_dir=shared[0])
+            state, losses, saved = TrainState(), [], None
+            for step in range(1, steps + 1):
+                losses.append(run.strategy.train_step(run.data.next_step()).loss.item())
+                state.step = step
+                if step == checkpoint_at:
+                    saved = run.checkpointer.save(step, run.strategy, loop_state(state, run.data))
+            result = {"losses": losses, "memory": run.strategy.model_state_bytes().as_dict()}
+            del run
+            if saved is not None:
+                resumed, state = train.build(cfg, env, run_dir=shared[0]), TrainState()
+                restore_loop_state(
+                    Checkpointer.load(saved, resumed.strategy, loop_state(state, resumed.data)), state, resumed.data
+                )
+                result["resumed_from_step"] = state.step
+                result["resumed_losses"] = [
+                    resumed.strategy.train_step(resumed.data.next_step()).loss.item() for _ in range(steps - state.step)
+                ]
+                del resumed
+            results.append(result)
+    finally:
+        leave()
+    return results

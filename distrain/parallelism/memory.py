@@ -16,11 +16,16 @@ from torch.distributed.tensor import DTensor
 
 @dataclass(frozen=True)
 class ModelStateBytes:
-    """Bytes this rank holds for parameters, gradients and optimizer state (including fp32 master copies)."""
+    """Bytes this rank holds for parameters, gradients and optimizer state (including fp32 master copies).
+
+    ``buffers`` (communication buckets and other scratch space a strategy keeps) is reported but is not model
+    state, so it is not part of ``total``.
+    """
 
     params: int
     grads: int
     optimizer: int
+    buffers: int = 0
 
     @property
     def total(self) -> int:
@@ -60,6 +65,39 @@ class StorageCounter:
         return total
 
 
+def reachable_tensors(
+    root: object, *, skip: tuple[type, ...] = (), max_depth: int = 4
+) -> list[tuple[str, torch.Tensor]]:
+    """Tensors reachable from ``root`` through attributes, lists, tuples and dicts, with the path that found them.
+
+    Used to account for what an opaque optimizer (DeepSpeed's ZeRO optimizers) holds. Objects of the ``skip``
+    types are not entered; each object is visited once.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    frontier: list[tuple[str, object, int]] = [("", root, 0)]
+    while frontier:
+        path, obj, depth = frontier.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append((path, obj))
+            continue
+        if depth >= max_depth or isinstance(obj, skip):
+            continue
+        if isinstance(obj, dict):
+            children = [(f"{path}[{key!r}]", value) for key, value in obj.items()]
+        elif isinstance(obj, (list, tuple)):
+            children = [(f"{path}[{i}]", value) for i, value in enumerate(obj)]
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            children = [(f"{path}.{key}", value) for key, value in vars(obj).items()]
+        else:
+            continue
+        frontier.extend((child_path, child, depth + 1) for child_path, child in children)
+    return found
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
 
@@ -83,18 +121,27 @@ def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> in
 
 
 def predicted_model_state_bytes(
-    *, strategy: str, stage: int | None, num_params: int, world_size: int, optimizer_bytes: int, low_precision: bool
+    *,
+    strategy: str,
+    stage: int | None,
+    num_params: int,
+    world_size: int,
+    optimizer_bytes: int,
+    low_precision: bool,
+    master_copy: bool,
 ) -> int:
     """Per-rank model-state bytes predicted by Rajbhandari et al. (2019), generalised over the optimizer.
 
-    ``low_precision`` means 2-byte parameters and gradients plus a 4-byte fp32 master copy in the optimizer (the
-    DeepSpeed bf16/fp16 layout: 2 + 2 + 12 = 16 bytes for Adam); otherwise parameters and gradients are fp32 and
-    the optimizer keeps only its moments (4 + 4 + 8 = 16 bytes for Adam). FSDP stages 2 and 3 both shard all
-    three at rest; stage 2 only keeps parameters gathered between forward and backward.
+    ``low_precision``: 2-byte parameters and gradients (DeepSpeed bf16/fp16), else 4-byte. ``master_copy``: the
+    optimizer also keeps a 4-byte fp32 copy of the parameters (DeepSpeed always does, also in fp32; torch-native
+    strategies train the fp32 parameters directly). Mixed-precision Adam under DeepSpeed is 2 + 2 + (8 + 4) = 16
+    bytes per parameter, fp32 Adam under DDP/FSDP 4 + 4 + 8 = 16, fp32 Adam under DeepSpeed 4 + 4 + 12 = 20.
+    FSDP stages 2 and 3 both shard all three at rest; stage 2 only keeps parameters gathered between forward and
+    backward.
     """
     psi, n = num_params, world_size
     param_b, grad_b = (2, 2) if low_precision else (4, 4)
-    opt_b = optimizer_bytes + (4 if low_precision else 0)
+    opt_b = optimizer_bytes + (4 if master_copy else 0)
     sharded = {
         ("zero", 1): (param_b + grad_b, opt_b),
         ("zero", 2): (param_b, grad_b + opt_b),

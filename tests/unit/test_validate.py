@@ -22,6 +22,15 @@ BAD_INPUTS = [
     ("scheduler.decay=exp", "scheduler.decay", "cosine, linear, constant"),
     ("optimizer=sgd optimizer.momentum=1.5", "optimizer.momentum", "[0, 1)"),
     ("stage=3", "stage", "takes no stage"),
+    ("parallelism=zero stage=4", "stage", "takes stage 1 or 2 or 3"),
+    ("parallelism=zero parallelism.stage=0", "parallelism.stage", "takes stage 1 or 2 or 3"),
+    ("parallelism=fsdp stage=1", "stage", "takes stage 2 or 3"),
+    ("parallelism=fsdp parallelism.cpu_offload=true", "parallelism.cpu_offload", "on cpu they are there"),
+    ("parallelism=zero parallelism.offload_optimizer=cpu", "parallelism.offload_optimizer", "none on cpu"),
+    ("parallelism=zero parallelism.offload_optimizer=disk", "parallelism.offload_optimizer", "none or cpu"),
+    ("parallelism=zero stage=2 parallelism.offload_param=cpu", "parallelism.offload_param", "none on cpu"),
+    ("parallelism=zero precision=fp16", "precision", "no fp16 there"),
+    ("parallelism=single stage=2", "stage", "parallelism=zero (1/2/3), parallelism=fsdp (2/3)"),
     ("parallelism=single distributed.nproc_per_node=2", "distributed.nproc_per_node", "parallelism=single"),
     ("precision=fp16 precision.compute_dtype=float64", "precision.compute_dtype", "float32, bfloat16, float16"),
 ]
@@ -55,7 +64,9 @@ def test_autocast_probe_reports_unsupported_combinations():
         ("optimizer.lr=-1", "optimizer.lr=-1.0 is not allowed"),
         ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps=0 is not allowed"),
         ("distributed.device=cuda", "distributed.device='cuda' is not allowed"),
-        ("stage=3", "parallelism=ddp takes no stage"),
+        ("stage=3", "parallelism=ddp takes no stage; stages apply to parallelism=zero (1/2/3), parallelism=fsdp"),
+        ("parallelism=zero stage=4", "stage=4 is not allowed: parallelism=zero takes stage 1 or 2 or 3"),
+        ("parallelism=zero parallelism.offload_param=cpu", "parallelism.offload_param='cpu' is not allowed"),
     ],
 )
 def test_train_py_prints_one_line_and_exits_2(tmp_path, override, needle):

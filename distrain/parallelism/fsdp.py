@@ -1,0 +1,54 @@
+"""``parallelism=fsdp``: PyTorch FSDP2 (``fully_shard``) on each transformer block and on the root."""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
+
+DP_AXIS = "dp"
+
+
+class FSDPStrategy(LocalBackwardStrategy):
+    """Parameters, gradients and optimizer state sharded over all ranks (one shard per rank, as DTensors).
+
+    Collectives: before each block's forward (and again before its backward when ``stage=3``) an all-gather of
+    its parameters; after its backward a reduce-scatter of its gradients (on the last micro-batch of a step only:
+    earlier micro-batches accumulate unsharded gradients locally). ``stage=2`` keeps each block's gathered
+    parameters from forward to backward (ZeRO-2-like: one all-gather per step, more memory); ``stage=3`` frees
+    them after forward (ZeRO-3). Between steps both hold only shards.
+
+    Args:
+        name: the option's name.
+        stage: 2 or 3, as above.
+        cpu_offload: keep parameter, gradient and optimizer shards in CPU memory (GPU runs only).
+    """
+
+    def __init__(self, *, name: str = "fsdp", stage: int, cpu_offload: bool) -> None:
+        self.name, self.stage, self.cpu_offload = name, stage, cpu_offload
+
+    def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
+        mesh = init_device_mesh(ctx.env.device.type, (ctx.env.world_size,), mesh_dim_names=(DP_AXIS,))
+        precision = ctx.precision
+        mixed = MixedPrecisionPolicy(
+            param_dtype=precision.compute_dtype if precision.uses_autocast else None, reduce_dtype=torch.float32
+        )
+        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
+        for block in model.blocks.values():
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=self.stage == 3, mp_policy=mixed, offload_policy=offload
+            )
+        # The root's own parameters (embeddings, final norm, head) are used last in forward and first in backward:
+        # resharding them after forward would only add an all-gather.
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
+        return model
+
+    def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
+        self.model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()

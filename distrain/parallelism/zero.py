@@ -1,0 +1,189 @@
+"""``parallelism=zero``: the DeepSpeed engine with ZeRO stage 1, 2 or 3.
+
+The engine owns backward (loss scaling, gradient reduction and partitioning) and the optimizer step (clipping,
+the LR scheduler at accumulation boundaries). The optimizer, schedule, precision, clipping and accumulation all
+come from distrain's own config groups and are translated into one DeepSpeed config, saved in the run directory
+as ``deepspeed_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from distrain.data.sampler import Batch
+from distrain.parallelism.base import StepResult, StrategyContext, token_loss_sum
+from distrain.parallelism.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
+
+CHECKPOINT_TAG = "deepspeed"
+
+
+def import_deepspeed(device_type: str) -> Any:
+    """Import DeepSpeed with the accelerator matching ``device_type`` (``DS_ACCELERATOR=cpu`` without a GPU)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device_type == "cuda" else "cpu")
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
+
+
+class ZeroStrategy:
+    """ZeRO data parallelism through ``deepspeed.initialize``.
+
+    Collectives (per optimizer step, data-parallel group = all ranks): stage 1 all-reduces gradients and
+    all-gathers updated parameter partitions; stage 2 reduce-scatters gradients in buckets during backward and
+    all-gathers parameters after the step; stage 3 also all-gathers each module's parameters before its forward
+    and backward and releases them after.
+
+    Args mirror DeepSpeed's ``zero_optimization`` section (see conf/parallelism/zero.yaml).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str = "zero",
+        stage: int,
+        overlap_comm: bool,
+        contiguous_gradients: bool,
+        reduce_bucket_size: int,
+        allgather_bucket_size: int,
+        offload_optimizer: str,
+        offload_param: str,
+        stage3_prefetch_bucket_size: int,
+        stage3_param_persistence_threshold: int,
+        stage3_max_live_parameters: int,
+    ) -> None:
+        self.name, self.stage = name, stage
+        self.zero_settings = {
+            "stage": stage,
+            "overlap_comm": overlap_comm,
+            "contiguous_gradients": contiguous_gradients,
+            "reduce_bucket_size": reduce_bucket_size,
+            "allgather_bucket_size": allgather_bucket_size,
+        }
+        if offload_optimizer != "none":
+            self.zero_settings["offload_optimizer"] = {"device": offload_optimizer, "pin_memory": True}
+        if stage == 3:
+            self.zero_settings |= {
+                "stage3_prefetch_bucket_size": stage3_prefetch_bucket_size,
+                "stage3_param_persistence_threshold": stage3_param_persistence_threshold,
+                "stage3_max_live_parameters": stage3_max_live_parameters,
+            }
+            if offload_param != "none":
+                self.zero_settings["offload_param"] = {"device": offload_param, "pin_memory": True}
+
+    def deepspeed_config(self, ctx: StrategyContext) -> dict[str, Any]:
+        """The DeepSpeed config equivalent to distrain's settings (batch, accumulation, clipping, precision)."""
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": ctx.micro_batch_size,
+            "gradient_accumulation_steps": ctx.grad_accum_steps,
+            "train_batch_size": ctx.micro_batch_size * ctx.grad_accum_steps * ctx.env.world_size,
+            "gradient_clipping": ctx.grad_clip_norm,
+            "zero_optimization": self.zero_settings,
+            # distrain builds the torch optimizer (AdamW/SGD) from its optimizer group; DeepSpeed wraps it.
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        dtype = ctx.precision.compute_dtype
+        if dtype == torch.bfloat16:
+            config["bf16"] = {"enabled": True}
+        elif dtype == torch.float16:
+            config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        return config
+
+    def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
+        deepspeed = import_deepspeed(ctx.env.device.type)
+        self.ctx, self.device = ctx, ctx.env.device
+        config = self.deepspeed_config(ctx)
+        if ctx.env.is_main:
+            Path(ctx.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(ctx.run_dir) / "deepspeed_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        optimizer = ctx.build_optimizer(model.named_parameters())
+        scheduler = ctx.build_scheduler(optimizer)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False
+        )
+        self._state_bytes: ModelStateBytes | None = None
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        return self.ctx.env.rank, self.ctx.env.world_size
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
+        self.engine.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for index, batch in enumerate(micro_batches):
+            batch = batch.to(self.device)
+            micro_loss = token_loss_sum(self.engine(batch.inputs), batch.targets)
+            # The engine divides by gradient_accumulation_steps itself: hand it the micro-batch's token mean.
+            self.engine.backward(micro_loss / batch.num_tokens)
+            measure = index == len(micro_batches) - 1 and self._state_bytes is None
+            if measure:  # gradients exist only between the last backward and the step
+                counter = StorageCounter()
+                grad_bytes = self._gradient_bytes(counter)
+            self.engine.step()  # steps the optimizer and scheduler only at the accumulation boundary
+            if measure:  # optimizer state exists only after the first step
+                self._state_bytes = self._measure_model_state(counter, grad_bytes)
+            loss_sum += micro_loss.detach().float()
+        total_tokens = sum(batch.num_tokens for batch in micro_batches)
+        grad_norm = self.engine.get_global_grad_norm()
+        return StepResult(
+            loss=loss_sum / total_tokens,
+            grad_norm=torch.as_tensor(0.0 if grad_norm is None else float(grad_norm), device=self.device),
+        )
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        self.engine.eval()
+        batch = batch.to(self.device)
+        return token_loss_sum(self.engine(batch.inputs), batch.targets), batch.num_tokens
+
+    def current_lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def _zero_optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return reachable_tensors(self.engine.optimizer, skip=(nn.Module,))
+
+    def _gradient_bytes(self, counter: StorageCounter) -> int:
+        """Gradients: ``.grad`` of the module's parameters and the gradient partitions the ZeRO optimizer keeps
+        (not its ``ipg`` communication buckets)."""
+        grads = [p.grad for p in self.engine.module.parameters()]
+        grads += [t for path, t in self._zero_optimizer_tensors() if "grad" in path.lower() and "ipg" not in path]
+        return counter.bytes(grads)
+
+    def _measure_model_state(self, counter: StorageCounter, grad_bytes: int) -> ModelStateBytes:
+        """Parameter partitions (full parameters below stage 3), optimizer state with the fp32 master partitions,
+        and, as buffers, whatever else the ZeRO optimizer holds (communication buckets, scratch)."""
+        param_bytes = counter.bytes(getattr(p, "ds_tensor", p) for p in self.engine.module.parameters())
+        found = self._zero_optimizer_tensors()
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        optimizer_bytes = counter.bytes(optimizer_state_tensors(inner))
+        optimizer_bytes += counter.bytes(t for path, t in found if "fp32" in path)
+        buffer_bytes = counter.bytes(t for path, t in found)
+        return ModelStateBytes(params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes, buffers=buffer_bytes)
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        if self._state_bytes is None:
+            raise RuntimeError("model state is measured during the first train_step")
+        return self._state_bytes
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        """DeepSpeed's own sharded format: each rank writes its optimizer (and, at stage 3, parameter) partition."""
+        self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, client_state={"extra": extra}, save_latest=False)
+
+    def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
+        _, client_state = self.engine.load_checkpoint(
+            str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if client_state is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}")
+        return client_state["extra"]
