@@ -127,3 +127,26 @@ def test_resume_through_train_py_continues_exactly(tmp_path, strategy):
         assert config["zero_optimization"]["stage"] == 3
         assert config["train_batch_size"] == 8 and config["gradient_clipping"] == 1.0
         assert (checkpoint / "deepspeed").is_dir()  # DeepSpeed's own sharded format
+
+
+@pytest.mark.parametrize("sweep", sorted(p.stem for p in (REPO / "multirun_sweeps").glob("*.yaml")))
+def test_ready_sweeps_compose(tmp_path, sweep):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--config-dir",
+            str(REPO / "multirun_sweeps"),
+            "--config-name",
+            sweep,
+            "--cfg",
+            "hydra",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    params = result.stdout.split("sweeper:")[1].split("launcher:")[0]
+    assert "params:" in params and "," in params  # a real sweep: at least one key with several values
