@@ -26,7 +26,7 @@ from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.config import TrainerConfig, register_configs
 from distrain.data.sampler import Batch, GlobalBatchSampler, TokenWindows, TrainBatches, validation_batches
 from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_failure, shutdown_distributed
-from distrain.launch import ChildFailedError, inside_launcher, launcher_rank, run_ranks
+from distrain.launch import ChildFailedError, inside_launcher, launcher_rank, restarted_attempt, run_ranks
 from distrain.logger.reporter import RunReporter
 from distrain.loop import TrainState, loop_state, restore_loop_state, train
 from distrain.parallelism.base import Strategy, StrategyContext
@@ -125,6 +125,8 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
         configure_logging(env.rank, Path(run_dir) / "train.log")
         run = build(cfg, env, run_dir)
         state = TrainState()
+        if restarted_attempt() and run.checkpointer.resume == "never":
+            run.checkpointer.resume = "auto"  # an elastic restart continues from this run's newest checkpoint
         resume_from = run.checkpointer.resume_path()
         if resume_from is not None:
             loaded = Checkpointer.load(resume_from, run.strategy, loop_state(state, run.data))

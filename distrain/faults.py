@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 
+from distrain.launch import restarted_attempt
+
 ENV_VAR = "DISTRAIN_INJECT_FAULT"
 
 
@@ -30,7 +32,7 @@ _FAULT = _parse(os.environ.get(ENV_VAR))
 
 def maybe_inject_fault(rank: int, step: int) -> None:
     """Fire the configured fault if this is its rank and step (and it is not a restarted attempt)."""
-    if _FAULT is None or (rank, step) != _FAULT[1:] or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if _FAULT is None or (rank, step) != _FAULT[1:] or restarted_attempt():
         return
     if _FAULT[0] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

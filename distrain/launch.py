@@ -18,7 +18,14 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-__all__ = ["ChildFailedError", "default_nproc_per_node", "inside_launcher", "launcher_rank", "run_ranks"]
+__all__ = [
+    "ChildFailedError",
+    "default_nproc_per_node",
+    "inside_launcher",
+    "launcher_rank",
+    "restarted_attempt",
+    "run_ranks",
+]
 
 
 def inside_launcher() -> bool:
@@ -28,6 +35,11 @@ def inside_launcher() -> bool:
 
 def launcher_rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def restarted_attempt() -> bool:
+    """True in ranks the elastic agent restarted after a failure (``distributed.max_restarts`` > 0)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
 def default_nproc_per_node(device_type: str) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from distrain.checkpoint.checkpointer import checkpoint_problem
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.precision.policy import autocast_supported
@@ -150,8 +151,9 @@ def validate(cfg: DictConfig) -> LaunchPlan:
     _check(cfg, "checkpoint.every_n_steps", _at_least(0), "an integer >= 0 (0: no periodic checkpoints)")
     _check(cfg, "checkpoint.keep_last", _at_least(0), "an integer >= 0 (0: keep all)")
     resume = cfg.checkpoint.resume
-    if resume not in ("never", "auto") and not (Path(resume) / "manifest.json").is_file():
-        raise ConfigError("checkpoint.resume", resume, "never, auto, or the path of a complete step_* checkpoint")
+    if resume not in ("never", "auto") and checkpoint_problem(Path(resume)):
+        problem = checkpoint_problem(Path(resume))
+        raise ConfigError("checkpoint.resume", resume, f"never, auto, or a valid step_* checkpoint ({problem})")
 
     _validate_sharding(cfg, device_type)
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)

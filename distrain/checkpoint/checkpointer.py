@@ -4,13 +4,14 @@ Layout of one checkpoint, ``<dir>/step_00000100/``:
     strategy files                written by the strategy: DCP's ``*.distcp`` + ``.metadata`` (each rank writes
                                   its shards, replicated tensors once), or DeepSpeed's own sharded format;
     ``rng_rank<r>.pt``            each rank's RNG states (they differ between ranks, so they are not in DCP);
-    ``manifest.json``             written last: the files with their sizes.
+    ``manifest.json``             written last: every file with its size and SHA-256.
 Everything is written into ``step_00000100.tmp`` and renamed when all ranks are done, so a crash mid-save never
 leaves a directory that looks complete.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -26,6 +27,34 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a usable checkpoint (missing manifest, missing, truncated or altered file), or None."""
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        return "no manifest.json (incomplete)"
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        return f"unreadable manifest ({err})"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
+        if _sha256(file) != expected["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -67,17 +96,26 @@ class Checkpointer:
         if self.resume == "never":
             return None
         if self.resume == "auto":
-            complete = self.complete_checkpoints()
-            return complete[-1] if complete else None
+            return self.newest_valid()
         path = Path(self.resume)
-        if not (path / "manifest.json").is_file():
-            raise FileNotFoundError(f"checkpoint.resume={self.resume}: no complete checkpoint there (no manifest.json)")
+        problem = checkpoint_problem(path)
+        if problem:
+            raise FileNotFoundError(f"checkpoint.resume={self.resume}: {problem}")
         return path
 
+    def newest_valid(self) -> Path | None:
+        """The newest checkpoint in ``dir`` whose files match its manifest; corrupt ones are skipped, loudly."""
+        for path in reversed(self.complete_checkpoints()):
+            problem = checkpoint_problem(path)
+            if not problem:
+                log.info("resuming from %s", path)
+                return path
+            log.warning("skipping checkpoint %s: %s", path, problem)
+        return None
+
     def due(self, step: int, *, final: bool) -> bool:
-        if final:
-            return self.save_final
-        return self.every_n_steps > 0 and step % self.every_n_steps == 0
+        periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        return periodic or (final and self.save_final)
 
     def save(self, step: int, strategy: Any, extra: dict[str, Any]) -> Path:
         """Write a checkpoint of ``strategy`` plus loop state ``extra`` for ``step``.
@@ -95,7 +133,11 @@ class Checkpointer:
         torch.save(rng_state(), tmp_path / f"rng_rank{rank}.pt")
         dist.barrier()
         if rank == 0:
-            files = {str(p.relative_to(tmp_path)): p.stat().st_size for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+            files = {
+                str(p.relative_to(tmp_path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                for p in sorted(tmp_path.rglob("*"))
+                if p.is_file()
+            }
             (tmp_path / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
             shutil.rmtree(final_path, ignore_errors=True)
             tmp_path.rename(final_path)

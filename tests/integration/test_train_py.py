@@ -150,3 +150,32 @@ def test_ready_sweeps_compose(tmp_path, sweep):
     assert result.returncode == 0, result.stderr
     params = result.stdout.split("sweeper:")[1].split("launcher:")[0]
     assert "params:" in params and "," in params  # a real sweep: at least one key with several values
+
+
+def losses_by_step(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    common = [*FAST, "trainer.max_steps=8", "checkpoint.every_n_steps=4", "checkpoint.keep_last=0"]
+    first = run_train([*common, "hydra.run.dir=first"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    checkpoints = tmp_path / "first" / "checkpoints"
+    shard = sorted((checkpoints / "step_00000008").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated, as by a crash mid-copy
+    (checkpoints / "step_00000012.tmp").mkdir()  # an interrupted save: never complete, never chosen
+    resumed = run_train(
+        [
+            *FAST,
+            "trainer.max_steps=10",
+            "hydra.run.dir=second",
+            f"checkpoint.dir={checkpoints}",
+            "checkpoint.resume=auto",
+        ],
+        tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "skipping checkpoint" in resumed.stderr and "step_00000008" in resumed.stderr
+    assert "resumed from" in resumed.stderr and "step_00000004" in resumed.stderr
+    assert sorted(losses_by_step(tmp_path / "second")) == [5, 6, 7, 8, 9, 10]
+    assert losses_by_step(tmp_path / "second")[5] == losses_by_step(tmp_path / "first")[5]
