@@ -20,6 +20,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from distrain.checkpoint.checkpointer import Checkpointer
@@ -31,6 +32,7 @@ from distrain.logger.reporter import RunReporter
 from distrain.loop import TrainState, loop_state, restore_loop_state, train
 from distrain.parallelism.base import Strategy, StrategyContext
 from distrain.parallelism.memory import optimizer_state_bytes_per_param, predicted_model_state_bytes
+from distrain.preemption import REQUEUE_EXIT_CODE, StopRequest
 from distrain.seeding import seed_everything
 from distrain.validate import ConfigError, validate
 
@@ -133,6 +135,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
             restore_loop_state(loaded, state, run.data)
             log.info("resumed from %s at step %d", resume_from, state.step)
         run.reporter.start(run_name=run_name, config=cfg_dict, initial_step=state.step)
+        stop = StopRequest().install()
         summary = train(
             strategy=run.strategy,
             data=run.data,
@@ -143,7 +146,9 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
             checkpointer=run.checkpointer,
             tokens_per_step=run.tokens_per_step,
             device=env.device,
+            stop=stop,
         )
+        stop.uninstall()
         summary |= {
             "world_size": env.world_size,
             "parallelism": run.strategy.name,
@@ -187,6 +192,7 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = hydra_cfg.runtime.output_dir
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["distributed"]["device"] = plan.device_type
+    checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")
     run_name = f"{hydra_cfg.job.name}/{Path(run_dir).relative_to(Path(run_dir).parents[1])}"
     try:
         results = run_ranks(
@@ -198,8 +204,21 @@ def main(cfg: DictConfig) -> float | None:
     except ChildFailedError as err:
         print(f"distrain: training failed\n{err.format_msg()}", file=sys.stderr)
         sys.exit(1)
+    except SignalException as err:  # the launcher forwarded the signal; ranks checkpointed at a step boundary
+        stopped(err.sigval.name, checkpoint_dir)
     summary = results.get(0)
+    if summary and summary["stopped_by"]:
+        stopped(summary["stopped_by"], checkpoint_dir)
     return summary["final_val_loss"] if summary else None
+
+
+def stopped(signal_name: str, checkpoint_dir: str) -> None:
+    print(
+        f"distrain: stopped by {signal_name} after checkpointing; continue with checkpoint.resume=auto "
+        f"checkpoint.dir={checkpoint_dir} (exit status {REQUEUE_EXIT_CODE}: requeue)",
+        file=sys.stderr,
+    )
+    sys.exit(REQUEUE_EXIT_CODE)
 
 
 if __name__ == "__main__":

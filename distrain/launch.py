@@ -105,5 +105,7 @@ def run_ranks(
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        # SIGUSR1 too (SLURM's warning before a time limit): the agent forwards it to the ranks and waits for them.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
     )
     return elastic_launch(config, entrypoint)(*args)

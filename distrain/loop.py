@@ -20,6 +20,7 @@ from distrain.data.sampler import Batch, TrainBatches
 from distrain.faults import maybe_inject_fault
 from distrain.logger.reporter import RunReporter, peak_memory_bytes
 from distrain.parallelism.base import Strategy
+from distrain.preemption import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,10 @@ def train(
     checkpointer: Checkpointer,
     tokens_per_step: int,
     device: torch.device,
+    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
-    """Run optimizer steps until ``settings.max_steps``; return the summary (rank 0's is written to summary.json)."""
+    """Run optimizer steps until ``settings.max_steps``, or until ranks agree to stop after a signal (``stop``),
+    which saves a checkpoint first. Returns the summary (rank 0's is written to summary.json)."""
     started = window_start = time.perf_counter()
     window = torch.zeros(2, device=device)  # summed loss and grad norm since the last log
     window_steps = 0
@@ -91,7 +94,8 @@ def train(
         maybe_inject_fault(dist.get_rank(), state.step)
         window += torch.stack([result.loss, result.grad_norm])
         window_steps += 1
-        final = state.step == settings.max_steps
+        stopping = stop is not None and stop.agreed(device)
+        final = state.step == settings.max_steps or stopping
         record: dict[str, Any] = {"step": state.step}
         if state.step % settings.log_every == 0 or final:
             loss, grad_norm = mean_over_ranks(window / window_steps).tolist()
@@ -113,15 +117,21 @@ def train(
         paused = time.perf_counter()
         if (settings.eval_every > 0 and state.step % settings.eval_every == 0) or final:
             val_loss = record["val_loss"] = evaluate(strategy, val_batches)
-        if checkpointer.due(state.step, final=final):
+        if checkpointer.due(state.step, final=final) or stopping:
             checkpointer.save(state.step, strategy, loop_state(state, data))
         window_start += time.perf_counter() - paused  # evaluation and checkpoints stay out of throughput
         if len(record) > 1:
             reporter.log(record)
+        if stopping:
+            log.warning(
+                "stopping at step %d on %s; checkpoint saved in %s", state.step, stop.signal_name, checkpointer.dir
+            )
+            break
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (peak_memory_bytes(device), strategy.model_state_bytes().as_dict()))
     return {
         "steps": state.step,
+        "stopped_by": stop.signal_name if stop is not None else None,
         "first_logged_loss": logged_losses[0] if logged_losses else None,
         "final_train_loss": logged_losses[-1] if logged_losses else None,
         "final_val_loss": val_loss,

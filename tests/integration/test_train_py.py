@@ -179,3 +179,32 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert "resumed from" in resumed.stderr and "step_00000004" in resumed.stderr
     assert sorted(losses_by_step(tmp_path / "second")) == [5, 6, 7, 8, 9, 10]
     assert losses_by_step(tmp_path / "second")[5] == losses_by_step(tmp_path / "first")[5]
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_stop_signal_checkpoints_at_a_step_boundary_and_exits_for_requeue(tmp_path, signal_name):
+    import signal
+    import time
+
+    args = [*FAST, "trainer.max_steps=100000", "hydra.run.dir=run", "checkpoint.keep_last=0"]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.2)
+    proc.send_signal(getattr(signal, signal_name))  # to train.py, which forwards it to its ranks
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    assert f"stopped by {signal_name}" in stderr
+    (checkpoint,) = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    stopped_at = int(checkpoint.name.split("_")[1])
+    assert stopped_at >= 5 and (checkpoint / "manifest.json").is_file()
+    assert read_metrics(tmp_path / "run")[-1]["step"] == stopped_at  # it stopped right after the checkpointed step
+    resumed = run_train(
+        [*FAST, f"trainer.max_steps={stopped_at + 3}", "hydra.run.dir=again", f"checkpoint.resume={checkpoint}"],
+        tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(losses_by_step(tmp_path / "again")) == [stopped_at + 1, stopped_at + 2, stopped_at + 3]

@@ -1,0 +1,47 @@
+"""Graceful stop on SIGTERM / SIGUSR1 (SLURM sends one before a time limit or preemption).
+
+The handler only records the signal; at the next step boundary all ranks agree (an all-reduce of the flag, so a
+signal seen by any rank stops every rank at the same step), save a checkpoint and return. The job then exits with
+``REQUEUE_EXIT_CODE`` so a scheduler or wrapper can requeue it with ``checkpoint.resume=auto``.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+REQUEUE_EXIT_CODE = 143  # 128 + SIGTERM: "terminated", the conventional status for a job stopped to be requeued
+
+
+class StopRequest:
+    """Records SIGTERM/SIGUSR1 while installed (main thread only); ``install``/``uninstall`` around training."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        self.signal_name = signal.Signals(signum).name
+
+    def install(self) -> StopRequest:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def agreed(self, device: torch.device) -> bool:
+        """Whether any rank received a stop signal. Collective: one all-reduce (MAX) of a flag."""
+        flag = torch.tensor([1 if self.signal_name else 0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.signal_name is None:
+            self.signal_name = "a signal to another rank"
+        return bool(flag.item())
