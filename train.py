@@ -72,6 +72,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
             precision=instantiate(cfg.precision),
             comm=instantiate(cfg.comm),
             grad_clip_norm=settings.grad_clip_norm,
+            on_nonfinite=settings.on_nonfinite,
             micro_batch_size=cfg.data.micro_batch_size,
             grad_accum_steps=settings.grad_accum_steps,
             run_dir=run_dir,

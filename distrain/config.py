@@ -237,6 +237,7 @@ class TrainerConfig:
     seed: int = 0
     grad_accum_steps: int = 1  # micro-steps per optimizer step; gradients sync on the last only
     grad_clip_norm: float = 1.0  # global L2 norm; 0 disables clipping (the norm is still reported)
+    on_nonfinite: str = "stop"  # stop | skip: a NaN/inf gradient norm stops training, or skips that update
     log_every: int = 10
     eval_every: int = 100  # 0: evaluate only at the end
     eval_batches: int = 8  # validation micro-batches per rank

@@ -84,11 +84,14 @@ def train(
     which saves a checkpoint first. Returns the summary (rank 0's is written to summary.json)."""
     started = window_start = time.perf_counter()
     window = torch.zeros(2, device=device)  # summed loss and grad norm since the last log
-    window_steps = 0
+    window_steps = skipped_steps = 0
     logged_losses: list[float] = []
     val_loss = float("nan")
     while state.step < settings.max_steps:
         result = strategy.train_step(data.next_step())
+        if result.skipped:
+            skipped_steps += 1
+            log.warning("step %d: non-finite gradient norm, update skipped", state.step + 1)
         state.step += 1
         state.tokens_seen += tokens_per_step
         maybe_inject_fault(dist.get_rank(), state.step)
@@ -132,6 +135,7 @@ def train(
     return {
         "steps": state.step,
         "stopped_by": stop.signal_name if stop is not None else None,
+        "skipped_steps": skipped_steps,
         "first_logged_loss": logged_losses[0] if logged_losses else None,
         "final_train_loss": logged_losses[-1] if logged_losses else None,
         "final_val_loss": val_loss,

@@ -102,6 +102,9 @@ def validate(cfg: DictConfig) -> LaunchPlan:
         _check(cfg, key, _at_least(1), "an integer >= 1")
     _check(cfg, "trainer.eval_every", _at_least(0), "an integer >= 0 (0: only at the end)")
     _check(cfg, "trainer.grad_clip_norm", _at_least(0), "a number >= 0 (0: no clipping)")
+    _check(cfg, "trainer.on_nonfinite", _one_of("stop", "skip"), "stop or skip")
+    if cfg.trainer.on_nonfinite == "skip" and cfg.parallelism.name == "zero":
+        raise ConfigError("trainer.on_nonfinite", "skip", "stop with parallelism=zero (DeepSpeed applies every step)")
 
     _check(cfg, "data.micro_batch_size", _at_least(1), "an integer >= 1 (sequences per rank per micro-step)")
     _check(

@@ -43,6 +43,7 @@ class StrategyContext:
     precision: PrecisionPolicy
     comm: DDPComm
     grad_clip_norm: float  # 0 disables clipping
+    on_nonfinite: str  # skip | stop: what a non-finite gradient norm does (fp16 loss scaling handles its own)
     micro_batch_size: int  # sequences per rank per micro-step
     grad_accum_steps: int  # micro-steps per optimizer step
     run_dir: str
@@ -58,6 +59,11 @@ class StepResult:
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
+    skipped: bool = False  # the update was not applied (non-finite gradients, on_nonfinite=skip)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Raised before the optimizer step when gradients are not finite and ``on_nonfinite=stop``."""
 
 
 class Strategy(Protocol):
@@ -138,13 +144,21 @@ class LocalBackwardStrategy:
                 self.scaler.scale(micro_loss / total_tokens).backward()
             loss_sum += micro_loss.detach()
         grad_norm = self.clip_gradients()
-        self.scaler.step(self.optimizer)
+        skipped = False
+        # The norm is computed from synchronised gradients, so every rank takes the same decision. With a grad
+        # scaler, overflow is routine and the scaler itself skips the step and lowers the scale.
+        if not self.scaler.is_enabled() and not torch.isfinite(grad_norm):
+            if self.ctx.on_nonfinite == "stop":
+                raise NonFiniteGradientError(f"gradient norm is {grad_norm.item()}; the update was not applied")
+            skipped = True
+        if not skipped:
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         if self._state_bytes is None:  # once: gradients and optimizer state all exist only at this point
             self._state_bytes = measure_torch_model_state(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return StepResult(loss=loss_sum / total_tokens, grad_norm=grad_norm)
+        return StepResult(loss=loss_sum / total_tokens, grad_norm=grad_norm, skipped=skipped)
 
     def clip_gradients(self) -> torch.Tensor:
         """Unscale, then clip to the global norm; returns the norm before clipping (computed either way)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from distrain.data.sampler import Batch
-from distrain.parallelism.base import StepResult, StrategyContext, token_loss_sum
+from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext, token_loss_sum
 from distrain.parallelism.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
 
 CHECKPOINT_TAG = "deepspeed"
@@ -136,6 +137,10 @@ class ZeroStrategy:
             loss_sum += micro_loss.detach().float()
         total_tokens = sum(batch.num_tokens for batch in micro_batches)
         grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None and not math.isfinite(float(grad_norm)) and not self.engine.fp16_enabled():
+            # DeepSpeed has applied the step already (only its fp16 loss scaler skips overflowing steps):
+            # stop before these weights can reach a checkpoint.
+            raise NonFiniteGradientError(f"gradient norm is {float(grad_norm)} under DeepSpeed")
         return StepResult(
             loss=loss_sum / total_tokens,
             grad_norm=torch.as_tensor(0.0 if grad_norm is None else float(grad_norm), device=self.device),

@@ -30,6 +30,8 @@ BAD_INPUTS = [
     ("parallelism=zero parallelism.offload_optimizer=disk", "parallelism.offload_optimizer", "none or cpu"),
     ("parallelism=zero stage=2 parallelism.offload_param=cpu", "parallelism.offload_param", "none on cpu"),
     ("parallelism=zero precision=fp16", "precision", "no fp16 there"),
+    ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite", "stop or skip"),
+    ("parallelism=zero trainer.on_nonfinite=skip", "trainer.on_nonfinite", "DeepSpeed applies every step"),
     ("parallelism=single stage=2", "stage", "parallelism=zero (1/2/3), parallelism=fsdp (2/3)"),
     ("parallelism=single distributed.nproc_per_node=2", "distributed.nproc_per_node", "parallelism=single"),
     ("precision=fp16 precision.compute_dtype=float64", "precision.compute_dtype", "float32, bfloat16, float16"),
