@@ -154,8 +154,8 @@ def validate(cfg: DictConfig) -> LaunchPlan:
     _check(cfg, "checkpoint.every_n_steps", _at_least(0), "an integer >= 0 (0: no periodic checkpoints)")
     _check(cfg, "checkpoint.keep_last", _at_least(0), "an integer >= 0 (0: keep all)")
     resume = cfg.checkpoint.resume
-    if resume not in ("never", "auto") and checkpoint_problem(Path(resume)):
-        problem = checkpoint_problem(Path(resume))
+    problem = None if resume in ("never", "auto") else checkpoint_problem(Path(resume))
+    if problem:
         raise ConfigError("checkpoint.resume", resume, f"never, auto, or a valid step_* checkpoint ({problem})")
 
     _validate_sharding(cfg, device_type)
