@@ -7,6 +7,7 @@ torchrun --nproc_per_node 4 train.py ...          # under an outer launcher: one
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import time
@@ -23,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from distrain.agreement import StepAgreement
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.config import TrainerConfig, register_configs
 from distrain.data.sampler import Batch, GlobalBatchSampler, TokenWindows, TrainBatches, validation_batches
@@ -137,6 +139,9 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
             log.info("resumed from %s at step %d", resume_from, state.step)
         run.reporter.start(run_name=run_name, config=cfg_dict, initial_step=state.step)
         stop = StopRequest().install()
+        agreement = StepAgreement(
+            stop=stop, timeout_s=cfg.distributed.timeout_s, failure_timeout_s=run.checkpointer.emergency_timeout_s
+        )
         summary = train(
             strategy=run.strategy,
             data=run.data,
@@ -145,9 +150,9 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
             settings=run.settings,
             reporter=run.reporter,
             checkpointer=run.checkpointer,
+            agreement=agreement,
             tokens_per_step=run.tokens_per_step,
             device=env.device,
-            stop=stop,
         )
         stop.uninstall()
         summary |= {
@@ -179,6 +184,8 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
         raise
     finally:
         shutdown_distributed(graceful=completed)
+        # Interpreter teardown would otherwise spend seconds per rank collecting torch's objects one by one.
+        gc.freeze()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -201,6 +208,8 @@ def main(cfg: DictConfig) -> float | None:
             (cfg_dict, run_dir, run_name),
             nproc_per_node=plan.nproc_per_node,
             max_restarts=cfg.distributed.max_restarts,
+            # CPU ranks fork from this process and skip re-importing torch; CUDA must not be forked.
+            start_method="fork" if plan.device_type == "cpu" else "spawn",
         )
     except ChildFailedError as err:
         print(f"distrain: training failed\n{err.format_msg()}", file=sys.stderr)
@@ -231,4 +240,7 @@ if __name__ == "__main__":
             "hydra/job_logging=disabled",
             "hydra/hydra_logging=disabled",
         ]
-    main()
+    try:
+        main()
+    finally:
+        gc.freeze()  # skip the seconds-long collection of torch's objects at interpreter exit

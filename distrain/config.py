@@ -208,6 +208,9 @@ class CheckpointConfig:
     dir: str | None = None  # default: <run dir>/checkpoints
     save_final: bool = True
     resume: str = "never"  # never | auto (newest complete checkpoint in dir) | <path of a step_* directory>
+    async_save: bool = False  # periodic saves written in the background (DCP async_save); not with zero
+    emergency: bool = True  # after an exception, save if every rank agrees its state is consistent
+    emergency_timeout_s: float = 30.0  # how long a failed rank waits for the others to agree
 
 
 # --------------------------------------------------------------------------------------------- logger

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distrain.agreement import PeerFailedError
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -60,14 +62,30 @@ def init_distributed(*, device: str, backend: str | None, timeout_s: float, thre
         torch_device = torch.device("cpu")
         torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size))
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=torch_device if device_type == "cuda" else None,
+            store=_attempt_store(world_size, timeout),
         )
     return DistEnv(rank, world_size, local_rank, local_world_size, torch_device, backend)
+
+
+def _attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under the elastic agent, its TCPStore with keys private to this restart attempt; else None (env://).
+
+    The agent keeps one store across restarts, so without a per-attempt prefix a restarted rank can read the
+    address a dead rank of the previous attempt published and wait on it until gloo's connect times out.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"distrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown_distributed(graceful: bool = True) -> None:
@@ -99,7 +117,9 @@ _PEER_FAILURE_MARKERS = (
 
 def is_peer_failure(err: BaseException) -> bool:
     """Whether ``err`` only says that another rank went away (a consequence, not the root cause)."""
-    return isinstance(err, dist.DistNetworkError) or any(marker in str(err) for marker in _PEER_FAILURE_MARKERS)
+    if isinstance(err, (PeerFailedError, dist.DistNetworkError)):
+        return True
+    return any(marker in str(err) for marker in _PEER_FAILURE_MARKERS)
 
 
 def configure_logging(rank: int, log_file: Path | None = None) -> None:

@@ -1,7 +1,9 @@
-"""Fault injection for tests of failure handling: ``DISTRAIN_INJECT_FAULT=<kind>:<rank>:<step>``.
+"""Fault injection for tests of failure handling: ``DISTRAIN_INJECT_FAULT=<kind>:<rank>:<step>[:<point>]``.
 
-Kinds: ``raise`` (an exception in that rank), ``kill`` (SIGKILL to itself), both after optimizer step ``step``
-completed on rank ``rank``. Read once per process; unset in normal use, where the check is one comparison.
+Kinds: ``raise`` (an exception in that rank) or ``kill`` (SIGKILL to itself). Points: ``step`` (default: after
+optimizer step ``step`` completed on rank ``rank``), ``save`` (while checkpoint ``step`` is being written: its
+shards are on disk, its manifest is not) or ``update`` (in the middle of applying step ``step``'s update). Read
+once per process and never fired in a restarted attempt; unset in normal use, where the check is one comparison.
 """
 
 from __future__ import annotations
@@ -12,28 +14,31 @@ import signal
 from distrain.launch import restarted_attempt
 
 ENV_VAR = "DISTRAIN_INJECT_FAULT"
+_WHEN = {"step": "after step", "save": "while saving checkpoint", "update": "while applying the update of step"}
+POINTS = tuple(_WHEN)
 
 
 class InjectedFault(RuntimeError):
     """The exception raised by an injected ``raise`` fault."""
 
 
-def _parse(spec: str | None) -> tuple[str, int, int] | None:
+def _parse(spec: str | None) -> tuple[str, int, int, str] | None:
     if not spec:
         return None
-    kind, rank, step = spec.split(":")
-    if kind not in ("raise", "kill"):
-        raise ValueError(f"{ENV_VAR}={spec!r}: kind must be raise or kill")
-    return kind, int(rank), int(step)
+    kind, rank, step, *point = spec.split(":")
+    point = point[0] if point else "step"
+    if kind not in ("raise", "kill") or point not in POINTS:
+        raise ValueError(f"{ENV_VAR}={spec!r}: expected raise|kill:<rank>:<step>[:{'|'.join(POINTS)}]")
+    return kind, int(rank), int(step), point
 
 
 _FAULT = _parse(os.environ.get(ENV_VAR))
 
 
-def maybe_inject_fault(rank: int, step: int) -> None:
-    """Fire the configured fault if this is its rank and step (and it is not a restarted attempt)."""
-    if _FAULT is None or (rank, step) != _FAULT[1:] or restarted_attempt():
+def maybe_inject_fault(rank: int, step: int, point: str = "step") -> None:
+    """Fire the configured fault if this is its rank, step and point (and not a restarted attempt)."""
+    if _FAULT is None or (rank, step, point) != _FAULT[1:] or restarted_attempt():
         return
     if _FAULT[0] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    raise InjectedFault(f"injected fault on rank {rank} after step {step}")
+    raise InjectedFault(f"injected fault on rank {rank} {_WHEN[point]} {step}")

@@ -1,7 +1,8 @@
 """The train loop: plain functions over a small, checkpointable ``TrainState``.
 
-Collectives per step are only those the strategy runs. Every ``log_every`` steps one all-reduce averages the
-window's loss across ranks; every ``eval_every`` steps one all-reduce sums the validation loss.
+Collectives per step: the strategy's, then one small all-reduce on a CPU group where ranks agree on signals,
+failures and pending asynchronous saves (``distrain.agreement``). Every ``log_every`` steps one all-reduce averages
+the window's loss across ranks; every ``eval_every`` steps one all-reduce sums the validation loss.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.agreement import AgreementTimeout, PeerFailedError, StepAgreement, Verdict
+from distrain.checkpoint.checkpointer import Checkpointer, rng_state, set_rng_state
 from distrain.config import TrainerConfig
 from distrain.data.sampler import Batch, TrainBatches
+from distrain.dist import is_peer_failure
 from distrain.faults import maybe_inject_fault
 from distrain.logger.reporter import RunReporter, peak_memory_bytes
-from distrain.parallelism.base import Strategy
-from distrain.preemption import StopRequest
+from distrain.parallelism.base import StepResult, Strategy
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,60 @@ def evaluate(strategy: Strategy, batches: list[Batch]) -> float:
     return (totals[0] / totals[1]).item()
 
 
+@dataclass
+class _LogWindow:
+    """Loss and grad norm summed since the last log line, and the time they took (evaluation and saves excluded)."""
+
+    device: torch.device
+    sums: torch.Tensor | None = None
+    steps: int = 0
+    started: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.sums, self.started = torch.zeros(2, device=self.device), time.perf_counter()
+
+    def add(self, result: StepResult) -> None:
+        self.sums += torch.stack([result.loss, result.grad_norm])
+        self.steps += 1
+
+    def close(self, tokens_per_step: int) -> dict[str, float]:
+        """Mean loss and grad norm over the window and all ranks (one all-reduce), and the window's throughput."""
+        loss, grad_norm = mean_over_ranks(self.sums / self.steps).tolist()
+        elapsed = time.perf_counter() - self.started
+        record = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "step_time_s": elapsed / self.steps,
+            "tokens_per_s": tokens_per_step * self.steps / elapsed,
+        }
+        self.sums.zero_()
+        self.steps, self.started = 0, time.perf_counter()
+        return record
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """Where training stood before a step: what a failed step rolls back to before an emergency checkpoint."""
+
+    step: int
+    tokens_seen: int
+    data: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def _emergency_checkpoint(
+    *, verdict: Verdict, checkpointer: Checkpointer, strategy: Strategy, extra: dict[str, Any]
+) -> None:
+    """Save after a failure only if every rank is at the same completed step with no half-applied update."""
+    if not verdict.consistent:
+        log.error("no emergency checkpoint: ranks are not at one consistent step (a failure mid-update or mid-step)")
+    elif verdict.step == 0 or checkpointer.last_saved_step == verdict.step:
+        log.error("no emergency checkpoint needed: step %d is already saved or nothing was trained", verdict.step)
+    else:
+        path = checkpointer.save(verdict.step, strategy, extra)
+        log.error("emergency checkpoint after a failure on rank %s: %s", verdict.failed_rank, path)
+
+
 def train(
     *,
     strategy: Strategy,
@@ -76,65 +132,103 @@ def train(
     settings: TrainerConfig,
     reporter: RunReporter,
     checkpointer: Checkpointer,
+    agreement: StepAgreement,
     tokens_per_step: int,
     device: torch.device,
-    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
-    """Run optimizer steps until ``settings.max_steps``, or until ranks agree to stop after a signal (``stop``),
-    which saves a checkpoint first. Returns the summary (rank 0's is written to summary.json)."""
-    started = window_start = time.perf_counter()
-    window = torch.zeros(2, device=device)  # summed loss and grad norm since the last log
-    window_steps = skipped_steps = 0
+    """Run optimizer steps until ``settings.max_steps``.
+
+    At the end of every step all ranks agree (``agreement``) on whether to stop for a signal (save, then return)
+    and whether some rank failed. After a failure, an emergency checkpoint is written when every rank is at the
+    same completed step with no half-applied update, then the failure is raised (``PeerFailedError`` on the
+    healthy ranks). Returns the summary (rank 0's is written to summary.json).
+    """
+    started = time.perf_counter()
+    window = _LogWindow(device)
+    skipped_steps = 0
     logged_losses: list[float] = []
     val_loss = float("nan")
     while state.step < settings.max_steps:
-        result = strategy.train_step(data.next_step())
-        if result.skipped:
-            skipped_steps += 1
-            log.warning("step %d: non-finite gradient norm, update skipped", state.step + 1)
-        state.step += 1
-        state.tokens_seen += tokens_per_step
-        maybe_inject_fault(dist.get_rank(), state.step)
-        window += torch.stack([result.loss, result.grad_norm])
-        window_steps += 1
-        stopping = stop is not None and stop.agreed(device)
-        final = state.step == settings.max_steps or stopping
-        record: dict[str, Any] = {"step": state.step}
-        if state.step % settings.log_every == 0 or final:
-            loss, grad_norm = mean_over_ranks(window / window_steps).tolist()
-            elapsed = time.perf_counter() - window_start
-            record |= {
-                "loss": loss,
-                "lr": strategy.current_lr(),
-                "grad_norm": grad_norm,
-                "step_time_s": elapsed / window_steps,
-                "tokens_per_s": tokens_per_step * window_steps / elapsed,
-                "tokens_seen": state.tokens_seen,
-            }
-            if not logged_losses:
-                record["model_state_bytes"] = strategy.model_state_bytes().total
-            logged_losses.append(loss)
-            window.zero_()
-            window_steps = 0
-            window_start = time.perf_counter()
-        paused = time.perf_counter()
-        if (settings.eval_every > 0 and state.step % settings.eval_every == 0) or final:
-            val_loss = record["val_loss"] = evaluate(strategy, val_batches)
-        if checkpointer.due(state.step, final=final) or stopping:
-            checkpointer.save(state.step, strategy, loop_state(state, data))
-        window_start += time.perf_counter() - paused  # evaluation and checkpoints stay out of throughput
-        if len(record) > 1:
-            reporter.log(record)
-        if stopping:
+        boundary = _Boundary(state.step, state.tokens_seen, data.state_dict(), rng_state())
+        failure: Exception | None = None
+        try:
+            result = strategy.train_step(data.next_step())
+            skipped_steps += result.skipped
+            if result.skipped:
+                log.warning("step %d: non-finite gradient norm, update skipped", state.step + 1)
+            state.step += 1
+            state.tokens_seen += tokens_per_step
+            window.add(result)
+            final = state.step == settings.max_steps
+            record: dict[str, Any] = {"step": state.step}
+            if state.step % settings.log_every == 0 or final:
+                record |= window.close(tokens_per_step) | {
+                    "lr": strategy.current_lr(),
+                    "tokens_seen": state.tokens_seen,
+                }
+                if not logged_losses:
+                    record["model_state_bytes"] = strategy.model_state_bytes().total
+                logged_losses.append(record["loss"])
+            paused = time.perf_counter()
+            if (settings.eval_every > 0 and state.step % settings.eval_every == 0) or final:
+                val_loss = record["val_loss"] = evaluate(strategy, val_batches)
+            if checkpointer.due(state.step, final=final):
+                checkpointer.save(state.step, strategy, loop_state(state, data), blocking=final)
+            window.started += time.perf_counter() - paused  # evaluation and checkpoints stay out of throughput
+            if len(record) > 1:
+                reporter.log(record)
+            maybe_inject_fault(dist.get_rank(), state.step)
+        except Exception as err:  # noqa: BLE001 - any failure goes through the agreement below, then is re-raised
+            failure = err
+            log.error("step %d failed on this rank: %r", boundary.step + 1, err)
+        consistent = failure is None or not strategy.updating
+        if failure is not None and state.step == boundary.step:  # the step never completed: undo its data and RNG
+            data.load_state_dict(boundary.data)
+            set_rng_state(boundary.rng)
+        if failure is not None and is_peer_failure(failure):
+            log.error("no emergency checkpoint: another rank is gone")
+            raise failure
+        try:
+            verdict = agreement.agree(
+                step=state.step,
+                failed=failure is not None,
+                consistent=consistent,
+                async_save_written=checkpointer.async_save_written(),
+            )
+        except AgreementTimeout as timeout:
+            log.error("no emergency checkpoint: %s", timeout)
+            raise failure from timeout
+        if verdict.failed_rank is not None:
+            if checkpointer.emergency:
+                _emergency_checkpoint(
+                    verdict=verdict,
+                    checkpointer=checkpointer,
+                    strategy=strategy,
+                    extra=loop_state(state, data),
+                )
+            if failure is not None:
+                raise failure
+            raise PeerFailedError(f"rank {verdict.failed_rank} failed after step {verdict.step}")
+        if verdict.async_save_written:
+            checkpointer.wait_and_finalize()
+        if verdict.stop:
+            if window.steps:
+                reporter.log({"step": state.step, **window.close(tokens_per_step), "lr": strategy.current_lr()})
+            if checkpointer.last_saved_step != state.step:
+                checkpointer.save(state.step, strategy, loop_state(state, data))
             log.warning(
-                "stopping at step %d on %s; checkpoint saved in %s", state.step, stop.signal_name, checkpointer.dir
+                "stopping at step %d on %s; checkpoint saved in %s",
+                state.step,
+                agreement.stop.signal_name,
+                checkpointer.dir,
             )
             break
+    checkpointer.wait_and_finalize()
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (peak_memory_bytes(device), strategy.model_state_bytes().as_dict()))
     return {
         "steps": state.step,
-        "stopped_by": stop.signal_name if stop is not None else None,
+        "stopped_by": agreement.stop.signal_name if agreement.stop is not None else None,
         "skipped_steps": skipped_steps,
         "first_logged_loss": logged_losses[0] if logged_losses else None,
         "final_train_loss": logged_losses[-1] if logged_losses else None,

@@ -1,7 +1,7 @@
 """Graceful stop on SIGTERM / SIGUSR1 (SLURM sends one before a time limit or preemption).
 
-The handler only records the signal; at the next step boundary all ranks agree (an all-reduce of the flag, so a
-signal seen by any rank stops every rank at the same step), save a checkpoint and return. The job then exits with
+The handler only records the signal; at the next step boundary all ranks agree (``distrain.agreement``: a signal
+seen by any rank stops every rank at the same step), save a checkpoint and return. The job then exits with
 ``REQUEUE_EXIT_CODE`` so a scheduler or wrapper can requeue it with ``checkpoint.resume=auto``.
 """
 
@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import signal
 from types import FrameType
-
-import torch
-import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_EXIT_CODE = 143  # 128 + SIGTERM: "terminated", the conventional status for a job stopped to be requeued
@@ -37,11 +34,3 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-    def agreed(self, device: torch.device) -> bool:
-        """Whether any rank received a stop signal. Collective: one all-reduce (MAX) of a flag."""
-        flag = torch.tensor([1 if self.signal_name else 0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.signal_name is None:
-            self.signal_name = "a signal to another rank"
-        return bool(flag.item())

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from distrain.checkpoint.checkpointer import checkpoint_problem
+from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.precision.policy import autocast_supported
@@ -157,6 +157,18 @@ def validate(cfg: DictConfig) -> LaunchPlan:
     problem = None if resume in ("never", "auto") else checkpoint_problem(Path(resume))
     if problem:
         raise ConfigError("checkpoint.resume", resume, f"never, auto, or a valid step_* checkpoint ({problem})")
+    _check(cfg, "checkpoint.emergency_timeout_s", _positive, "a number of seconds > 0")
+    if cfg.checkpoint.async_save and cfg.parallelism.name == "zero":
+        raise ConfigError("checkpoint.async_save", True, "false with parallelism=zero (DeepSpeed saves synchronously)")
+    world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else nproc
+    saved_world_size = None if resume in ("never", "auto") else checkpoint_world_size(Path(resume))
+    if cfg.parallelism.name == "zero" and saved_world_size not in (None, world_size):
+        raise ConfigError(
+            "checkpoint.resume",
+            resume,
+            f"a zero checkpoint saved by {world_size} ranks (it was saved by {saved_world_size}; ddp and fsdp "
+            "checkpoints reshard, zero ones do not)",
+        )
 
     _validate_sharding(cfg, device_type)
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)

@@ -43,8 +43,8 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
 
 
 def on_ranks(fn: Any, nprocs: int, *args: Any) -> dict[int, Any]:
-    """Run ``fn(*args)`` on ``nprocs`` real gloo ranks (spawned processes unless nprocs == 1)."""
-    return run_ranks(fn, args, nproc_per_node=nprocs)
+    """Run ``fn(*args)`` on ``nprocs`` real gloo ranks (forked processes unless nprocs == 1)."""
+    return run_ranks(fn, args, nproc_per_node=nprocs, start_method="fork")
 
 
 def join(cfg: DictConfig) -> DistEnv:

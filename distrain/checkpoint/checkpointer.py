@@ -17,12 +17,16 @@ import logging
 import random
 import re
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from distrain.faults import maybe_inject_fault
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,14 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
+def checkpoint_world_size(path: Path) -> int | None:
+    """The number of ranks that wrote the checkpoint at ``path`` (None if its manifest does not say)."""
+    try:
+        return json.loads((path / "manifest.json").read_text()).get("world_size")
+    except (OSError, ValueError):
+        return None
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -72,6 +84,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@dataclass
+class _PendingSave:
+    """An asynchronous save whose files are still being written by DCP's background thread."""
+
+    step: int
+    tmp_path: Path
+    final_path: Path
+    writing: Future
+
+
 class Checkpointer:
     """Saves every ``every_n_steps`` optimizer steps into ``dir`` and keeps the newest ``keep_last``.
 
@@ -82,14 +104,34 @@ class Checkpointer:
         dir: checkpoint directory, stable across restarts of the same run.
         save_final: also save after the last step.
         resume: ``never``, ``auto`` (the newest complete checkpoint in ``dir``, if any) or a checkpoint path.
+        async_save: periodic saves copy the state to CPU memory and write it in a background thread (DCP's
+            ``async_save``) while training goes on; the checkpoint becomes visible at the first step boundary
+            where every rank has finished writing. Final, stop and emergency saves are always synchronous.
+        emergency: after an exception, save if all ranks agree their state is consistent.
+        emergency_timeout_s: how long a failed rank waits for its peers to agree.
     """
 
     def __init__(
-        self, *, run_dir: str, every_n_steps: int, keep_last: int, dir: str | None, save_final: bool, resume: str
+        self,
+        *,
+        run_dir: str,
+        every_n_steps: int,
+        keep_last: int,
+        dir: str | None,
+        save_final: bool,
+        resume: str,
+        async_save: bool = False,
+        emergency: bool = True,
+        emergency_timeout_s: float = 30.0,
     ) -> None:
         self.dir = Path(dir) if dir else Path(run_dir) / "checkpoints"
         self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
-        self.resume = resume
+        self.resume, self.async_save = resume, async_save
+        self.emergency, self.emergency_timeout_s = emergency, emergency_timeout_s
+        self.last_saved_step: int | None = None
+        self._pending: _PendingSave | None = None
+        # DCP's background writer runs its collectives on its own group, never interleaved with training's.
+        self._writer_group = dist.new_group(backend="gloo") if async_save else None
 
     def resume_path(self) -> Path | None:
         """The checkpoint to start from, or None for a fresh start."""
@@ -117,11 +159,13 @@ class Checkpointer:
         periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
         return periodic or (final and self.save_final)
 
-    def save(self, step: int, strategy: Any, extra: dict[str, Any]) -> Path:
+    def save(self, step: int, strategy: Any, extra: dict[str, Any], *, blocking: bool = True) -> Path:
         """Write a checkpoint of ``strategy`` plus loop state ``extra`` for ``step``.
 
-        Collective: every rank must call it (the strategy's writer plans globally).
+        Collective: every rank must call it (the strategy's writer plans globally). With ``async_save`` and
+        ``blocking=False`` it returns once the state is staged in CPU memory; ``finalize`` makes it visible.
         """
+        self.wait_and_finalize()
         final_path = self.dir / f"step_{step:08d}"
         tmp_path = self.dir / f"step_{step:08d}.tmp"
         rank = dist.get_rank()
@@ -129,22 +173,47 @@ class Checkpointer:
             shutil.rmtree(tmp_path, ignore_errors=True)
             tmp_path.mkdir(parents=True)
         dist.barrier()
-        strategy.save_checkpoint(tmp_path, extra)
         torch.save(rng_state(), tmp_path / f"rng_rank{rank}.pt")
+        if self.async_save and not blocking:
+            writing = strategy.save_checkpoint(tmp_path, extra, process_group=self._writer_group, asynchronous=True)
+            self._pending = _PendingSave(step, tmp_path, final_path, writing)
+            return final_path
+        strategy.save_checkpoint(tmp_path, extra)
+        maybe_inject_fault(rank, step, point="save")
         dist.barrier()
-        if rank == 0:
+        self._publish(step, tmp_path, final_path)
+        return final_path
+
+    def async_save_written(self) -> bool:
+        """Whether this rank's part of the pending asynchronous save is on disk (True when none is pending)."""
+        return self._pending is None or self._pending.writing.done()
+
+    def wait_and_finalize(self) -> None:
+        """Wait for the pending asynchronous save on this rank, then publish it. Collective (barriers)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.writing.result()  # re-raises a failed write: the checkpoint stays a .tmp and is never used
+        maybe_inject_fault(dist.get_rank(), pending.step, point="save")
+        dist.barrier()
+        self._publish(pending.step, pending.tmp_path, pending.final_path)
+
+    def _publish(self, step: int, tmp_path: Path, final_path: Path) -> None:
+        """Rank 0 writes the manifest last and renames ``.tmp`` into place; then everyone may go on."""
+        if dist.get_rank() == 0:
             files = {
                 str(p.relative_to(tmp_path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                 for p in sorted(tmp_path.rglob("*"))
                 if p.is_file()
             }
-            (tmp_path / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
+            manifest = {"step": step, "world_size": dist.get_world_size(), "files": files}
+            (tmp_path / "manifest.json").write_text(json.dumps(manifest, indent=1))
             shutil.rmtree(final_path, ignore_errors=True)
             tmp_path.rename(final_path)
             self._prune()
             log.info("saved checkpoint %s", final_path)
+        self.last_saved_step = step
         dist.barrier()
-        return final_path
 
     def complete_checkpoints(self) -> list[Path]:
         """Checkpoint directories with a manifest, oldest first."""

@@ -74,12 +74,11 @@ class GlobalBatchSampler:
         )
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.global_batch_size = micro_batch_size * grad_accum_steps * dp_size
-        self.steps_per_epoch = num_samples // self.global_batch_size
-        if self.steps_per_epoch == 0:
+        if num_samples < self.global_batch_size:
             raise ValueError(
                 f"dataset has {num_samples} sequences, fewer than one global batch of {self.global_batch_size}"
             )
-        self.epoch, self.step_in_epoch = 0, 0
+        self.epoch, self.samples_in_epoch = 0, 0
         self._permutation = self._permute(0)
 
     def _permute(self, epoch: int) -> torch.Tensor:
@@ -88,21 +87,23 @@ class GlobalBatchSampler:
 
     def next_step(self) -> list[torch.Tensor]:
         """Indices of this rank's ``grad_accum_steps`` micro-batches for the next optimizer step."""
-        if self.step_in_epoch == self.steps_per_epoch:
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        if self.samples_in_epoch + self.global_batch_size > self.num_samples:
+            self.epoch, self.samples_in_epoch = self.epoch + 1, 0
             self._permutation = self._permute(self.epoch)
-        start = self.step_in_epoch * self.global_batch_size
+        start = self.samples_in_epoch
         layout = self._permutation[start : start + self.global_batch_size].view(
             self.grad_accum_steps, self.dp_size, self.micro_batch_size
         )
-        self.step_in_epoch += 1
+        self.samples_in_epoch += self.global_batch_size
         return list(layout[:, self.dp_rank])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed}
+        """The position as (epoch, samples consumed in it): valid for any batch layout, so a job resumed on a
+        different number of ranks, or with another micro-batch split, continues with the next unseen sample."""
+        return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.seed, self.epoch, self.step_in_epoch = state["seed"], state["epoch"], state["step_in_epoch"]
+        self.seed, self.epoch, self.samples_in_epoch = state["seed"], state["epoch"], state["samples_in_epoch"]
         self._permutation = self._permute(self.epoch)
 
 

@@ -43,9 +43,25 @@ class RunReporter:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._rewind_metrics(initial_step)
         self.tracker.start(run_dir=str(self.run_dir), run_name=run_name, config=config)
         if self.bar is not None:
             self.bar.update(initial_step)
+
+    def _rewind_metrics(self, initial_step: int) -> None:
+        """After a restart from a checkpoint, drop records of the steps that are about to be trained again, so
+        metrics.jsonl stays one record per step of the run that really happened (rewritten atomically)."""
+        if not self.metrics_path.exists():
+            return
+        lines = self.metrics_path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= initial_step]
+        if len(kept) < len(lines):
+            rewritten = self.metrics_path.with_suffix(".jsonl.tmp")
+            rewritten.write_text("".join(kept))
+            rewritten.replace(self.metrics_path)
+            log.info(
+                "metrics.jsonl rewound to step %d (%d later records dropped)", initial_step, len(lines) - len(kept)
+            )
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.dist import DistEnv
+from distrain.faults import maybe_inject_fault
 from distrain.parallelism.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
 
@@ -70,6 +73,7 @@ class Strategy(Protocol):
     """What the train loop needs from a parallelism strategy."""
 
     name: str
+    updating: bool  # True while parameters or optimizer state are being changed: a failure then is unrecoverable
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         """Place, wrap or shard ``model`` and build its optimizer and scheduler."""
@@ -89,8 +93,19 @@ class Strategy(Protocol):
     def model_state_bytes(self) -> ModelStateBytes:
         """Parameter, gradient and optimizer-state bytes this rank holds (measured at the first step's end)."""
 
-    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        """Write this rank's part of a sharded checkpoint into ``path`` (collective), with ``extra`` loop state."""
+    def save_checkpoint(
+        self,
+        path: Path,
+        extra: dict[str, Any],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        asynchronous: bool = False,
+    ) -> Future | None:
+        """Write this rank's part of a sharded checkpoint into ``path`` (collective), with ``extra`` loop state.
+
+        ``asynchronous``: stage a copy in CPU memory, write it in a background thread whose collectives run on
+        ``process_group``, and return the future of the write.
+        """
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         """Restore from ``path`` (collective); ``extra`` is a template of the loop state, returned filled."""
@@ -111,6 +126,7 @@ class LocalBackwardStrategy:
     """
 
     name = "local"
+    updating = False
 
     def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
         return model
@@ -151,13 +167,16 @@ class LocalBackwardStrategy:
             if self.ctx.on_nonfinite == "stop":
                 raise NonFiniteGradientError(f"gradient norm is {grad_norm.item()}; the update was not applied")
             skipped = True
+        self.updating = True
         if not skipped:
             self.scaler.step(self.optimizer)
+        maybe_inject_fault(self.ctx.env.rank, self.scheduler.last_epoch + 1, point="update")
         self.scaler.update()
         if self._state_bytes is None:  # once: gradients and optimizer state all exist only at this point
             self._state_bytes = measure_torch_model_state(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self.updating = False
         return StepResult(loss=loss_sum / total_tokens, grad_norm=grad_norm, skipped=skipped)
 
     def clip_gradients(self) -> torch.Tensor:
@@ -192,8 +211,19 @@ class LocalBackwardStrategy:
             "scaler": self.scaler.state_dict(),
         }
 
-    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        dcp.save({**self._state_dict(), "extra": extra}, checkpoint_id=path)
+    def save_checkpoint(
+        self,
+        path: Path,
+        extra: dict[str, Any],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        asynchronous: bool = False,
+    ) -> Future | None:
+        state = {**self._state_dict(), "extra": extra}
+        if asynchronous:
+            return dcp.async_save(state, checkpoint_id=path, process_group=process_group)
+        dcp.save(state, checkpoint_id=path, process_group=process_group)
+        return None
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         state = {**self._state_dict(), "extra": extra}

@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from distrain.checkpoint.checkpointer import checkpoint_world_size
 from distrain.data.sampler import Batch
+from distrain.faults import maybe_inject_fault
 from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext, token_loss_sum
 from distrain.parallelism.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
 
@@ -45,6 +48,8 @@ class ZeroStrategy:
 
     Args mirror DeepSpeed's ``zero_optimization`` section (see conf/parallelism/zero.yaml).
     """
+
+    updating = False
 
     def __init__(
         self,
@@ -131,7 +136,11 @@ class ZeroStrategy:
             if measure:  # gradients exist only between the last backward and the step
                 counter = StorageCounter()
                 grad_bytes = self._gradient_bytes(counter)
+            last = index == len(micro_batches) - 1
+            self.updating = last  # stays set if the step fails: DeepSpeed may have applied part of it
             self.engine.step()  # steps the optimizer and scheduler only at the accumulation boundary
+            if last:
+                maybe_inject_fault(self.ctx.env.rank, self.engine.global_steps, point="update")
             if measure:  # optimizer state exists only after the first step
                 self._state_bytes = self._measure_model_state(counter, grad_bytes)
             loss_sum += micro_loss.detach().float()
@@ -141,6 +150,7 @@ class ZeroStrategy:
             # DeepSpeed has applied the step already (only its fp16 loss scaler skips overflowing steps):
             # stop before these weights can reach a checkpoint.
             raise NonFiniteGradientError(f"gradient norm is {float(grad_norm)} under DeepSpeed")
+        self.updating = False
         return StepResult(
             loss=loss_sum / total_tokens,
             grad_norm=torch.as_tensor(0.0 if grad_norm is None else float(grad_norm), device=self.device),
@@ -181,11 +191,30 @@ class ZeroStrategy:
             raise RuntimeError("model state is measured during the first train_step")
         return self._state_bytes
 
-    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        """DeepSpeed's own sharded format: each rank writes its optimizer (and, at stage 3, parameter) partition."""
+    def save_checkpoint(
+        self,
+        path: Path,
+        extra: dict[str, Any],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        asynchronous: bool = False,
+    ) -> None:
+        """DeepSpeed's own sharded format: each rank writes its optimizer (and, at stage 3, parameter) partition.
+
+        Synchronous only (validation refuses ``checkpoint.async_save`` with zero); DeepSpeed uses its own groups.
+        """
+        del process_group
+        if asynchronous:
+            raise ValueError("DeepSpeed checkpoints are written synchronously")
         self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, client_state={"extra": extra}, save_latest=False)
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
+        saved_world_size = checkpoint_world_size(path)
+        if saved_world_size not in (None, self.ctx.env.world_size):
+            raise ValueError(
+                f"{path} was saved by {saved_world_size} ranks; a zero checkpoint resumes only on the same number of "
+                f"ranks (this job has {self.ctx.env.world_size}). Export it with python -m distrain.checkpoint.export"
+            )
         _, client_state = self.engine.load_checkpoint(
             str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
         )

@@ -35,6 +35,8 @@ BAD_INPUTS = [
     ("parallelism=single stage=2", "stage", "parallelism=zero (1/2/3), parallelism=fsdp (2/3)"),
     ("parallelism=single distributed.nproc_per_node=2", "distributed.nproc_per_node", "parallelism=single"),
     ("precision=fp16 precision.compute_dtype=float64", "precision.compute_dtype", "float32, bfloat16, float16"),
+    ("parallelism=zero checkpoint.async_save=true", "checkpoint.async_save", "DeepSpeed saves synchronously"),
+    ("checkpoint.emergency_timeout_s=0", "checkpoint.emergency_timeout_s", "> 0"),
 ]
 
 
@@ -48,6 +50,15 @@ def test_bad_value_names_key_value_and_what_is_allowed(override, key, allowed):
     assert err.value.key == key
     assert allowed in str(err.value)
     assert f"{key}=" in str(err.value)
+
+
+def test_zero_checkpoint_from_another_world_size_is_refused(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"step": 4, "world_size": 4, "files": {}}')
+    cfg = compose_config([*FAST, "parallelism=zero", f"checkpoint.resume={tmp_path}"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == "checkpoint.resume" and "saved by 4" in str(err.value)
+    validate(compose_config([*FAST, "parallelism=fsdp", f"checkpoint.resume={tmp_path}"]))  # fsdp reshards
 
 
 def test_autocast_probe_reports_unsupported_combinations():
