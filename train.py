@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 import hydra
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -32,6 +34,10 @@ from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_
 from distrain.launch import ChildFailedError, inside_launcher, launcher_rank, restarted_attempt, run_ranks
 from distrain.logger.reporter import RunReporter
 from distrain.loop import TrainState, loop_state, restore_loop_state, train
+from distrain.monitor.flops import peak_flops_per_device
+from distrain.monitor.profiler import StepProfiler
+from distrain.monitor.timing import Clock
+from distrain.monitor.window import LogWindow
 from distrain.parallelism.base import Strategy, StrategyContext
 from distrain.parallelism.memory import optimizer_state_bytes_per_param, predicted_model_state_bytes
 from distrain.preemption import REQUEUE_EXIT_CODE, StopRequest
@@ -54,7 +60,7 @@ class RankRun:
     reporter: RunReporter
     checkpointer: Checkpointer
     settings: TrainerConfig
-    tokens_per_step: int
+    window: LogWindow
     model_parameters: int
 
 
@@ -65,19 +71,21 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     model = instantiate(cfg.model)
     model_parameters = sum(p.numel() for p in model.parameters())
     strategy = instantiate(cfg.parallelism)
+    precision = instantiate(cfg.precision)
     strategy.setup(
         model,
         StrategyContext(
             env=env,
             build_optimizer=instantiate(cfg.optimizer),
             build_scheduler=partial(instantiate(cfg.scheduler), total_steps=settings.max_steps),
-            precision=instantiate(cfg.precision),
+            precision=precision,
             comm=instantiate(cfg.comm),
             grad_clip_norm=settings.grad_clip_norm,
             on_nonfinite=settings.on_nonfinite,
             micro_batch_size=cfg.data.micro_batch_size,
             grad_accum_steps=settings.grad_accum_steps,
             run_dir=run_dir,
+            clock=Clock(env.device),
         ),
     )
     corpus = instantiate(cfg.data.corpus)
@@ -112,21 +120,28 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         reporter=reporter,
         checkpointer=instantiate(cfg.checkpoint)(run_dir=run_dir),
         settings=settings,
-        tokens_per_step=sampler.global_batch_size * cfg.data.seq_len,
+        window=LogWindow(
+            device=env.device,
+            tokens_per_step=sampler.global_batch_size * cfg.data.seq_len,
+            samples_per_step=sampler.global_batch_size,
+            flops_per_token=model.flops_per_token(cfg.data.seq_len),
+            peak_flops=peak_flops_per_device(env.device, precision.compute_dtype, cfg.monitor.peak_flops),
+            straggler_threshold=cfg.monitor.straggler_threshold,
+        ),
         model_parameters=model_parameters,
     )
 
 
 @record
-def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> dict[str, Any]:
+def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_group: str | None) -> dict[str, Any]:
     """One rank's work: join the process group, build every component, train, report."""
     cfg = OmegaConf.create(cfg_dict)
     env = init_distributed(**{k: cfg.distributed[k] for k in ("device", "backend", "timeout_s", "threads_per_rank")})
     completed = False
     try:
-        shared = [run_dir, run_name]
+        shared = [run_dir, run_name, run_group]
         dist.broadcast_object_list(shared, src=0)  # under torchrun only rank 0 composed the real run directory
-        run_dir, run_name = shared
+        run_dir, run_name, run_group = shared
         configure_logging(env.rank, Path(run_dir) / "train.log")
         run = build(cfg, env, run_dir)
         state = TrainState()
@@ -137,23 +152,38 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str) -> di
             loaded = Checkpointer.load(resume_from, run.strategy, loop_state(state, run.data))
             restore_loop_state(loaded, state, run.data)
             log.info("resumed from %s at step %d", resume_from, state.step)
-        run.reporter.start(run_name=run_name, config=cfg_dict, initial_step=state.step)
+        run.reporter.start(
+            run_name=run_name,
+            run_group=run_group,
+            config=cfg_dict,
+            initial_step=state.step,
+            resumed_from=str(resume_from) if resume_from else None,
+        )
         stop = StopRequest().install()
         agreement = StepAgreement(
             stop=stop, timeout_s=cfg.distributed.timeout_s, failure_timeout_s=run.checkpointer.emergency_timeout_s
         )
-        summary = train(
-            strategy=run.strategy,
-            data=run.data,
-            val_batches=run.val_batches,
-            state=state,
-            settings=run.settings,
-            reporter=run.reporter,
-            checkpointer=run.checkpointer,
-            agreement=agreement,
-            tokens_per_step=run.tokens_per_step,
-            device=env.device,
+        profiler = StepProfiler(
+            enabled=cfg.profile,
+            run_dir=run_dir,
+            rank=env.rank,
+            start_step=state.step + cfg.monitor.profile_start_step,
+            num_steps=cfg.monitor.profile_steps,
         )
+        with profiler:
+            summary = train(
+                strategy=run.strategy,
+                data=run.data,
+                val_batches=run.val_batches,
+                state=state,
+                settings=run.settings,
+                reporter=run.reporter,
+                checkpointer=run.checkpointer,
+                agreement=agreement,
+                window=run.window,
+                profiler=profiler,
+                device=env.device,
+            )
         stop.uninstall()
         summary |= {
             "world_size": env.world_size,
@@ -205,7 +235,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         results = run_ranks(
             build_and_train,
-            (cfg_dict, run_dir, run_name),
+            (cfg_dict, run_dir, run_name, run_group(hydra_cfg)),
             nproc_per_node=plan.nproc_per_node,
             max_restarts=cfg.distributed.max_restarts,
             # CPU ranks fork from this process and skip re-importing torch; CUDA must not be forked.
@@ -220,6 +250,14 @@ def main(cfg: DictConfig) -> float | None:
     if summary and summary["stopped_by"]:
         stopped(summary["stopped_by"], checkpoint_dir)
     return summary["final_val_loss"] if summary else None
+
+
+def run_group(hydra_cfg: DictConfig) -> str | None:
+    """What groups this run with others in a tracker: its multirun sweep, else its SLURM job, else nothing."""
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return f"{hydra_cfg.job.name}/{hydra_cfg.sweep.dir}"
+    slurm_job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    return f"slurm-{slurm_job}" if slurm_job else None
 
 
 def stopped(signal_name: str, checkpoint_dir: str) -> None:

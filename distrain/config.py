@@ -231,6 +231,19 @@ class JsonlTrackerConfig:
     path: str = "runs.jsonl"  # relative to the directory train.py was started from
 
 
+@dataclass(kw_only=True)
+class WandbTrackerConfig:
+    """Weights & Biases: one run per training job (rank 0), offline when no credentials are found."""
+
+    _target_: str = "distrain.logger.trackers.WandbTracker"
+    project: str = "distrain"
+    entity: str | None = None
+    group: str | None = None  # None: the multirun sweep, or the SLURM job, this run belongs to
+    tags: list[str] = field(default_factory=list)
+    name: str | None = None  # None: the run directory's name under outputs/ or multirun/
+    mode: str = "auto"  # auto (online with credentials, else offline) | online | offline | disabled
+
+
 # ---------------------------------------------------------------------------------------------- root
 
 
@@ -245,6 +258,16 @@ class TrainerConfig:
     eval_every: int = 100  # 0: evaluate only at the end
     eval_batches: int = 8  # validation micro-batches per rank
     progress_bar: bool = True
+
+
+@dataclass(kw_only=True)
+class MonitorConfig:
+    """Per-step measurements (distrain/monitor/); written with every logged step."""
+
+    straggler_threshold: float = 0.25  # name the busiest rank when it exceeds the median of the others by this fraction
+    peak_flops: float | None = None  # one device's peak FLOP/s for MFU; None: GPU table, or measured on CPU
+    profile_start_step: int = 3  # with profile=true: first traced step
+    profile_steps: int = 3  # with profile=true: number of traced steps
 
 
 @dataclass(kw_only=True)
@@ -270,6 +293,8 @@ class Config:
     logger: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    profile: bool = False  # torch.profiler trace of monitor.profile_steps steps into <run dir>/profile/
     stage: int | None = None  # ZeRO/FSDP sharding stage, written top-level: `parallelism=zero stage=3`
 
 
@@ -283,7 +308,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "precision": {"autocast": PrecisionConfig},
     "comm": {"ddp": DDPCommConfig},
     "checkpoint": {"dcp": CheckpointConfig},
-    "logger": {"none": NoTrackerConfig, "jsonl": JsonlTrackerConfig},
+    "logger": {"none": NoTrackerConfig, "jsonl": JsonlTrackerConfig, "wandb": WandbTrackerConfig},
 }
 
 CONFIG_GROUPS = ("model", "data", "parallelism", "optimizer", "precision", "comm", "checkpoint", "logger")

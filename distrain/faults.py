@@ -1,4 +1,5 @@
-"""Fault injection for tests of failure handling: ``DISTRAIN_INJECT_FAULT=<kind>:<rank>:<step>[:<point>]``.
+"""Fault injection for tests of failure handling: ``DISTRAIN_INJECT_FAULT=<kind>:<rank>:<step>[:<point>]``, and a
+slow rank for tests of straggler detection: ``DISTRAIN_INJECT_DELAY=<rank>:<seconds>`` (a sleep in every step).
 
 Kinds: ``raise`` (an exception in that rank) or ``kill`` (SIGKILL to itself). Points: ``step`` (default: after
 optimizer step ``step`` completed on rank ``rank``), ``save`` (while checkpoint ``step`` is being written: its
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from distrain.launch import restarted_attempt
 
 ENV_VAR = "DISTRAIN_INJECT_FAULT"
+DELAY_ENV_VAR = "DISTRAIN_INJECT_DELAY"
 _WHEN = {"step": "after step", "save": "while saving checkpoint", "update": "while applying the update of step"}
 POINTS = tuple(_WHEN)
 
@@ -33,6 +36,13 @@ def _parse(spec: str | None) -> tuple[str, int, int, str] | None:
 
 
 _FAULT = _parse(os.environ.get(ENV_VAR))
+_DELAY = tuple(float(x) for x in os.environ[DELAY_ENV_VAR].split(":")) if os.environ.get(DELAY_ENV_VAR) else None
+
+
+def maybe_inject_delay(rank: int) -> None:
+    """Sleep in this step if this rank is the one configured to be slow (counted as its compute time)."""
+    if _DELAY is not None and rank == int(_DELAY[0]):
+        time.sleep(_DELAY[1])
 
 
 def maybe_inject_fault(rank: int, step: int, point: str = "step") -> None:

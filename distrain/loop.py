@@ -20,9 +20,12 @@ from distrain.checkpoint.checkpointer import Checkpointer, rng_state, set_rng_st
 from distrain.config import TrainerConfig
 from distrain.data.sampler import Batch, TrainBatches
 from distrain.dist import is_peer_failure
-from distrain.faults import maybe_inject_fault
-from distrain.logger.reporter import RunReporter, peak_memory_bytes
-from distrain.parallelism.base import StepResult, Strategy
+from distrain.faults import maybe_inject_delay, maybe_inject_fault
+from distrain.logger.reporter import RunReporter
+from distrain.monitor.profiler import StepProfiler
+from distrain.monitor.system import peak_memory_bytes
+from distrain.monitor.window import LogWindow
+from distrain.parallelism.base import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +54,6 @@ def restore_loop_state(loaded: dict[str, Any], state: TrainState, data: TrainBat
     data.load_state_dict(loaded["data"])
 
 
-def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
-    """All-reduce (sum) then divide by world size; gloo has no AVG op."""
-    values = values.clone()
-    dist.all_reduce(values)
-    return values / dist.get_world_size()
-
-
 @torch.no_grad()
 def evaluate(strategy: Strategy, batches: list[Batch]) -> float:
     """Token-mean validation loss over every rank's batches (one all-reduce)."""
@@ -67,37 +63,6 @@ def evaluate(strategy: Strategy, batches: list[Batch]) -> float:
         totals += torch.tensor([loss_sum.item(), tokens], dtype=torch.float64)
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
-
-
-@dataclass
-class _LogWindow:
-    """Loss and grad norm summed since the last log line, and the time they took (evaluation and saves excluded)."""
-
-    device: torch.device
-    sums: torch.Tensor | None = None
-    steps: int = 0
-    started: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.sums, self.started = torch.zeros(2, device=self.device), time.perf_counter()
-
-    def add(self, result: StepResult) -> None:
-        self.sums += torch.stack([result.loss, result.grad_norm])
-        self.steps += 1
-
-    def close(self, tokens_per_step: int) -> dict[str, float]:
-        """Mean loss and grad norm over the window and all ranks (one all-reduce), and the window's throughput."""
-        loss, grad_norm = mean_over_ranks(self.sums / self.steps).tolist()
-        elapsed = time.perf_counter() - self.started
-        record = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "step_time_s": elapsed / self.steps,
-            "tokens_per_s": tokens_per_step * self.steps / elapsed,
-        }
-        self.sums.zero_()
-        self.steps, self.started = 0, time.perf_counter()
-        return record
 
 
 @dataclass(frozen=True)
@@ -133,7 +98,8 @@ def train(
     reporter: RunReporter,
     checkpointer: Checkpointer,
     agreement: StepAgreement,
-    tokens_per_step: int,
+    window: LogWindow,
+    profiler: StepProfiler,
     device: torch.device,
 ) -> dict[str, Any]:
     """Run optimizer steps until ``settings.max_steps``.
@@ -144,7 +110,8 @@ def train(
     healthy ranks). Returns the summary (rank 0's is written to summary.json).
     """
     started = time.perf_counter()
-    window = _LogWindow(device)
+    window.restart()
+    tokens_per_step = window.tokens_per_step
     skipped_steps = 0
     logged_losses: list[float] = []
     val_loss = float("nan")
@@ -152,17 +119,22 @@ def train(
         boundary = _Boundary(state.step, state.tokens_seen, data.state_dict(), rng_state())
         failure: Exception | None = None
         try:
-            result = strategy.train_step(data.next_step())
+            marks = {"step_start": window.clock.mark()}
+            micro_batches = data.next_step()
+            marks["data_ready"] = window.clock.mark()
+            maybe_inject_delay(dist.get_rank())
+            result = strategy.train_step(micro_batches)
             skipped_steps += result.skipped
             if result.skipped:
                 log.warning("step %d: non-finite gradient norm, update skipped", state.step + 1)
             state.step += 1
             state.tokens_seen += tokens_per_step
-            window.add(result)
+            window.add(result.loss, result.grad_norm, marks | result.marks)
+            profiler.step()
             final = state.step == settings.max_steps
             record: dict[str, Any] = {"step": state.step}
             if state.step % settings.log_every == 0 or final:
-                record |= window.close(tokens_per_step) | {
+                record |= window.close() | {
                     "lr": strategy.current_lr(),
                     "tokens_seen": state.tokens_seen,
                 }
@@ -174,7 +146,7 @@ def train(
                 val_loss = record["val_loss"] = evaluate(strategy, val_batches)
             if checkpointer.due(state.step, final=final):
                 checkpointer.save(state.step, strategy, loop_state(state, data), blocking=final)
-            window.started += time.perf_counter() - paused  # evaluation and checkpoints stay out of throughput
+            window.exclude(time.perf_counter() - paused)  # evaluation and checkpoints stay out of throughput
             if len(record) > 1:
                 reporter.log(record)
             maybe_inject_fault(dist.get_rank(), state.step)
@@ -213,7 +185,7 @@ def train(
             checkpointer.wait_and_finalize()
         if verdict.stop:
             if window.steps:
-                reporter.log({"step": state.step, **window.close(tokens_per_step), "lr": strategy.current_lr()})
+                reporter.log({"step": state.step, **window.close(), "lr": strategy.current_lr()})
             if checkpointer.last_saved_step != state.step:
                 checkpointer.save(state.step, strategy, loop_state(state, data))
             log.warning(

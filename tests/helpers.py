@@ -28,6 +28,7 @@ FAST = [
     "data.micro_batch_size=4",
     "trainer.log_every=1",
     "checkpoint=none",
+    "logger=none",
 ]
 
 
@@ -64,11 +65,11 @@ def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run_train(
     args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """``python train.py <args>`` in a subprocess, from ``cwd``."""
+    """``python train.py <args>`` in a subprocess, from ``cwd``; ``env`` adds variables (None removes one)."""
     return subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args],
         cwd=cwd,
-        env={**os.environ, **(env or {})},
+        env={key: value for key, value in {**os.environ, **(env or {})}.items() if value is not None},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,9 +1,11 @@
-"""How a DDP-wrapped model communicates gradients: reducer bucket settings (and, later, hooks)."""
+"""How a DDP-wrapped model communicates gradients: reducer bucket settings and the communication hook."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -20,6 +22,7 @@ class DDPComm:
 
     def __init__(self, *, name: str, bucket_cap_mb: float, gradient_as_bucket_view: bool, static_graph: bool) -> None:
         self.name = name
+        self.bucket_launches = 0
         self.bucket_cap_mb, self.gradient_as_bucket_view, self.static_graph = (
             bucket_cap_mb,
             gradient_as_bucket_view,
@@ -34,6 +37,18 @@ class DDPComm:
             "static_graph": self.static_graph,
         }
 
-    def register(self, model: DistributedDataParallel) -> None:
-        """Install a communication hook on ``model``; the default reducer needs none."""
-        del model
+    def register(self, model: DistributedDataParallel, on_launch: Callable[[], None] | None = None) -> None:
+        """Install the gradient all-reduce as a communication hook on ``model``, so each bucket's launch is seen:
+        ``bucket_launches`` counts them and ``on_launch`` (the step timer) is called as each is launched.
+
+        Collective per bucket: one all-reduce (sum) of the bucket's flat gradient buffer, divided by world size.
+        """
+
+        # No annotations: DDP inspects them and rejects the strings that postponed evaluation makes of them.
+        def allreduce(process_group, bucket):  # noqa: ANN001, ANN202
+            self.bucket_launches += 1
+            if on_launch is not None:
+                on_launch()
+            return default_hooks.allreduce_hook(process_group, bucket)
+
+        model.register_comm_hook(None, allreduce)

@@ -5,24 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-import resource
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from distrain.logger.trackers import Tracker
 
 log = logging.getLogger(__name__)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank: CUDA's peak allocation on a GPU, the process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class RunReporter:
@@ -33,18 +25,34 @@ class RunReporter:
     """
 
     def __init__(self, *, run_dir: str, tracker: Tracker, enabled: bool, max_steps: int, progress_bar: bool) -> None:
-        self.run_dir, self.tracker, self.enabled = Path(run_dir), tracker, enabled
+        self.run_dir, self.tracker, self.enabled, self.max_steps = Path(run_dir), tracker, enabled, max_steps
+        self.records: list[dict[str, Any]] = []
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.bar = None
         if enabled and progress_bar and sys.stderr.isatty():
             self.bar = tqdm(total=max_steps, desc="train", dynamic_ncols=True)
 
-    def start(self, *, run_name: str, config: dict[str, Any], initial_step: int) -> None:
+    def start(
+        self,
+        *,
+        run_name: str,
+        run_group: str | None,
+        config: dict[str, Any],
+        initial_step: int,
+        resumed_from: str | None,
+    ) -> None:
+        self.initial_step, self.records = initial_step, []
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._rewind_metrics(initial_step)
-        self.tracker.start(run_dir=str(self.run_dir), run_name=run_name, config=config)
+        self.tracker.start(
+            run_dir=str(self.run_dir),
+            run_name=run_name,
+            run_group=run_group,
+            config=config,
+            resumed_from=resumed_from,
+        )
         if self.bar is not None:
             self.bar.update(initial_step)
 
@@ -68,19 +76,26 @@ class RunReporter:
             return
         with self.metrics_path.open("a") as file:
             file.write(json.dumps(record) + "\n")
+        self.records.append(record)
         self.tracker.log(record)
-        shown = {k: record[k] for k in ("loss", "val_loss", "tokens_per_s", "lr") if k in record}
+        shown = {k: record[k] for k in ("loss", "val_loss", "tokens_per_s", "mfu", "lr") if k in record}
         if self.bar is not None:
-            self.bar.update(record["step"] - self.bar.n)
+            self.bar.update(record["step"] - self.bar.n)  # tqdm shows step, rate and ETA itself
             self.bar.set_postfix({k: _short(v) for k, v in shown.items()})
         else:
-            log.info("step %d %s", record["step"], " ".join(f"{k}={_short(v)}" for k, v in shown.items()))
+            eta = ""
+            if "step_time_s" in record:
+                eta = f" eta={_duration(record['step_time_s'] * (self.max_steps - record['step']))}"
+            text = " ".join(f"{k}={_short(v)}" for k, v in shown.items())
+            log.info("step %d/%d %s%s", record["step"], self.max_steps, text, eta)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if not self.enabled:
             return
         if self.bar is not None:
             self.bar.close()
+        summary = summary | {"metrics": metric_statistics(self.records)}
+        log.info("per-step metrics over the run:\n%s", statistics_table(summary["metrics"]))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.tracker.finish(summary)
         log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))
@@ -90,3 +105,36 @@ def _short(value: float) -> str:
     if isinstance(value, float) and (value == 0 or 1e-3 <= abs(value) < 1e5 or not math.isfinite(value)):
         return f"{value:.4g}"
     return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def metric_statistics(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean, standard deviation, min and max of every numeric metric over the logged records."""
+    columns: dict[str, list[float]] = {}
+    for record in records:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                columns.setdefault(key, []).append(float(value))
+    stats = {}
+    for key, values in columns.items():
+        stats[key] = {
+            "mean": statistics.fmean(values),
+            "std": statistics.pstdev(values) if len(values) > 1 else 0.0,
+            "min": min(values),
+            "max": max(values),
+            "count": len(values),
+        }
+    return stats
+
+
+def statistics_table(stats: dict[str, dict[str, float]]) -> str:
+    """``metric_statistics`` as an aligned text table."""
+    rows = [("metric", "mean", "std", "min", "max")]
+    rows += [(k, *(_short(v[c]) for c in ("mean", "std", "min", "max"))) for k, v in stats.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
+import netrc
+import os
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+log = logging.getLogger(__name__)
+
 
 class Tracker(Protocol):
-    def start(self, *, run_dir: str, run_name: str, config: dict[str, Any]) -> None: ...
+    def start(
+        self, *, run_dir: str, run_name: str, run_group: str | None, config: dict[str, Any], resumed_from: str | None
+    ) -> None:
+        """``resumed_from``: the checkpoint this job resumed from, if any (a tracker may continue that run)."""
 
     def log(self, record: dict[str, Any]) -> None: ...
 
@@ -18,7 +27,7 @@ class Tracker(Protocol):
 class NullTracker:
     """Nothing beyond the run directory."""
 
-    def start(self, *, run_dir: str, run_name: str, config: dict[str, Any]) -> None:
+    def start(self, **run: Any) -> None:
         pass
 
     def log(self, record: dict[str, Any]) -> None:
@@ -34,7 +43,7 @@ class JsonlTracker:
     def __init__(self, *, path: str) -> None:
         self.path = Path(path)
 
-    def start(self, *, run_dir: str, run_name: str, config: dict[str, Any]) -> None:
+    def start(self, *, run_dir: str, run_name: str, **run: Any) -> None:
         self.run_name = run_name
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write({"event": "start", "run_dir": run_dir})
@@ -48,3 +57,94 @@ class JsonlTracker:
     def _write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as file:
             file.write(json.dumps({"run": self.run_name, **record}) + "\n")
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_credentials_present() -> bool:
+    """An API key in the environment or in ~/.netrc for the W&B host (no network access)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandbTracker:
+    """One W&B run per training job, written by rank 0 into ``<run dir>/wandb``.
+
+    The run id is kept in ``<run dir>/wandb_run_id``: a job restarted or requeued in the same run directory, or
+    resumed from a checkpoint in another run's directory, continues that run (``resume="allow"``). ``mode=auto``
+    is online when credentials exist and offline otherwise (``WANDB_MODE`` in the environment wins), so a run
+    never prompts for a login. The whole resolved config is the run's config; metrics use the optimizer step.
+    """
+
+    def __init__(
+        self,
+        *,
+        project: str,
+        entity: str | None,
+        group: str | None,
+        tags: list[str],
+        name: str | None,
+        mode: str,
+    ) -> None:
+        self.project, self.entity, self.group, self.tags, self.name, self.mode = (
+            project,
+            entity,
+            group,
+            tags,
+            name,
+            mode,
+        )
+        self.run: Any = None
+
+    def resolved_mode(self) -> str:
+        if self.mode != "auto":
+            return self.mode
+        return os.environ.get("WANDB_MODE") or ("online" if wandb_credentials_present() else "offline")
+
+    @staticmethod
+    def run_id(run_dir: Path, resumed_from: str | None) -> str:
+        """This run directory's id, else the id of the run that wrote the checkpoint we resume, else a new one."""
+        candidates = [run_dir / WANDB_ID_FILE]
+        if resumed_from:
+            candidates.append(Path(resumed_from).resolve().parents[1] / WANDB_ID_FILE)
+        for candidate in candidates:
+            if candidate.is_file():
+                return candidate.read_text().strip()
+        return uuid.uuid4().hex[:12]
+
+    def start(
+        self, *, run_dir: str, run_name: str, run_group: str | None, config: dict[str, Any], resumed_from: str | None
+    ) -> None:
+        import wandb
+
+        directory = Path(run_dir)
+        run_id = self.run_id(directory, resumed_from)
+        (directory / WANDB_ID_FILE).write_text(run_id + "\n")
+        mode = self.resolved_mode()
+        self.run = wandb.init(
+            project=self.project,
+            entity=self.entity,
+            group=self.group or run_group,
+            tags=list(self.tags),
+            name=self.name or run_name,
+            config=config,
+            id=run_id,
+            resume="allow",
+            dir=str(directory),
+            mode=mode,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        log.info("W&B run %s (%s) in %s", run_id, mode, directory / "wandb")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, (list, dict))})
+        self.run.finish()

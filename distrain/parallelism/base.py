@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.dist import DistEnv
 from distrain.faults import maybe_inject_fault
+from distrain.monitor.timing import Clock
 from distrain.parallelism.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
 
@@ -50,6 +51,7 @@ class StrategyContext:
     micro_batch_size: int  # sequences per rank per micro-step
     grad_accum_steps: int  # micro-steps per optimizer step
     run_dir: str
+    clock: Clock  # phase timestamps for the step's time split (CUDA events on a GPU)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class StepResult:
     loss: torch.Tensor
     grad_norm: torch.Tensor
     skipped: bool = False  # the update was not applied (non-finite gradients, on_nonfinite=skip)
+    # Phase timestamps (``distrain.monitor.timing``): backward_done, optimizer_done and, under DDP, comm_launch.
+    marks: dict[str, Any] = field(default_factory=dict)
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -148,8 +152,13 @@ class LocalBackwardStrategy:
     def data_parallel(self) -> tuple[int, int]:
         return self.ctx.env.rank, self.ctx.env.world_size
 
+    def mark_comm_launch(self) -> None:
+        """Called by a communication hook as each gradient bucket is launched; the last one counts."""
+        self._marks["comm_launch"] = self.ctx.clock.mark()
+
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
         self.model.train()
+        self._marks: dict[str, Any] = {}
         total_tokens = sum(batch.num_tokens for batch in micro_batches)
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(micro_batches):
@@ -159,6 +168,7 @@ class LocalBackwardStrategy:
                     micro_loss = token_loss_sum(self.model(batch.inputs), batch.targets)
                 self.scaler.scale(micro_loss / total_tokens).backward()
             loss_sum += micro_loss.detach()
+        self._marks["backward_done"] = self.ctx.clock.mark()
         grad_norm = self.clip_gradients()
         skipped = False
         # The norm is computed from synchronised gradients, so every rank takes the same decision. With a grad
@@ -177,7 +187,8 @@ class LocalBackwardStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.updating = False
-        return StepResult(loss=loss_sum / total_tokens, grad_norm=grad_norm, skipped=skipped)
+        self._marks["optimizer_done"] = self.ctx.clock.mark()
+        return StepResult(loss=loss_sum / total_tokens, grad_norm=grad_norm, skipped=skipped, marks=self._marks)
 
     def clip_gradients(self) -> torch.Tensor:
         """Unscale, then clip to the global norm; returns the norm before clipping (computed either way)."""

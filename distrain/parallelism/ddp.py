@@ -29,7 +29,7 @@ class DDPStrategy(LocalBackwardStrategy):
             find_unused_parameters=self.find_unused_parameters,
             **ctx.comm.ddp_kwargs(),
         )
-        ctx.comm.register(ddp)
+        ctx.comm.register(ddp, on_launch=self.mark_comm_launch)
         return ddp
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:

@@ -137,6 +137,8 @@ class ZeroStrategy:
                 counter = StorageCounter()
                 grad_bytes = self._gradient_bytes(counter)
             last = index == len(micro_batches) - 1
+            if last:
+                marks = {"backward_done": self.ctx.clock.mark()}
             self.updating = last  # stays set if the step fails: DeepSpeed may have applied part of it
             self.engine.step()  # steps the optimizer and scheduler only at the accumulation boundary
             if last:
@@ -151,9 +153,11 @@ class ZeroStrategy:
             # stop before these weights can reach a checkpoint.
             raise NonFiniteGradientError(f"gradient norm is {float(grad_norm)} under DeepSpeed")
         self.updating = False
+        marks["optimizer_done"] = self.ctx.clock.mark()
         return StepResult(
             loss=loss_sum / total_tokens,
             grad_norm=torch.as_tensor(0.0 if grad_norm is None else float(grad_norm), device=self.device),
+            marks=marks,
         )
 
     @torch.no_grad()

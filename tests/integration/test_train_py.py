@@ -97,6 +97,7 @@ def test_default_training_learns(tmp_path):
     assert result.returncode == 0, result.stderr
     (run_dir,) = run_dirs(tmp_path)
     records, summary = check_run_dir(run_dir, steps=200, world_size=2)
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # the default logger, offline without a login
     assert summary["final_train_loss"] < 0.6 * records[0]["loss"]
     assert summary["final_val_loss"] < 0.7 * records[0]["loss"]
     print(f"default run: first logged loss {records[0]['loss']:.3f} -> final {summary['final_train_loss']:.3f}")

@@ -1,0 +1,1 @@
+"""Per-step measurements: phase timing, FLOPs and MFU, memory, rank balance, profiling."""

@@ -1,0 +1,55 @@
+"""Phase timestamps of an optimizer step, cheap enough to take every step.
+
+On CPU a timestamp is ``time.perf_counter()``. On a GPU it is a CUDA event recorded on the current stream, and
+durations are read only when a logging window closes (``Clock.seconds`` synchronises on the window's last event),
+so timing adds no host-device synchronisation to the steps themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+PHASES = ("data", "compute", "comm", "optimizer")
+
+
+class Clock:
+    """Timestamps in the time base of ``device``'s work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return end - start
+
+
+def phase_seconds(clock: Clock, marks: dict[str, Any]) -> dict[str, float]:
+    """Split one step into data wait, forward+backward compute, exposed communication and optimizer.
+
+    ``marks``: ``step_start``, ``data_ready`` (batches in hand), ``backward_done`` (gradients synchronised),
+    ``optimizer_done``; and ``comm_launch`` when a DDP communication hook saw the step's last bucket launched.
+    Autograd has no work left once the last bucket is launched, so the time from there to the end of backward is
+    communication that backward did not hide. Strategies without hooks (fsdp, zero) have no ``comm_launch``:
+    their communication is inside ``compute`` and ``comm`` is reported as NaN.
+    """
+    forward_backward = clock.seconds(marks["data_ready"], marks["backward_done"])
+    comm = clock.seconds(marks["comm_launch"], marks["backward_done"]) if "comm_launch" in marks else float("nan")
+    return {
+        "data": clock.seconds(marks["step_start"], marks["data_ready"]),
+        "compute": forward_backward - (0.0 if math.isnan(comm) else comm),
+        "comm": comm,
+        "optimizer": clock.seconds(marks["backward_done"], marks["optimizer_done"]),
+    }

@@ -1,0 +1,159 @@
+"""The logging window: this rank's per-step measurements summed over ``log_every`` steps, turned into one metrics
+record for all ranks when the window closes.
+
+Collectives: closing a window runs one ``all_gather`` of a dozen floats per rank (every rank's loss, phase times,
+memory), from which every rank computes the means, the rank balance and the straggler. Nothing else is
+communicated for monitoring.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distrain.monitor.system import GpuUtilisation, memory_now
+from distrain.monitor.timing import PHASES, Clock, phase_seconds
+
+log = logging.getLogger(__name__)
+
+_FIELDS = (
+    "loss",
+    "grad_norm",
+    *PHASES,
+    "memory_allocated_bytes",
+    "memory_reserved_bytes",
+    "memory_peak_bytes",
+    "gpu_util_percent",
+)
+
+
+class LogWindow:
+    """Per-step sums since the last closed window on this rank; ``close`` is collective.
+
+    Args:
+        device: where the step's tensors live.
+        tokens_per_step, samples_per_step: global, per optimizer step.
+        flops_per_token: the model's training FLOPs per token (forward and backward).
+        peak_flops: one device's peak FLOP/s; None leaves MFU out.
+        straggler_threshold: the busiest rank (busy = data + compute + optimizer per step, i.e. not waiting for
+            others) is named a straggler when it exceeds the median of the other ranks by more than this fraction.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        tokens_per_step: int,
+        samples_per_step: int,
+        flops_per_token: float,
+        peak_flops: float | None,
+        straggler_threshold: float,
+    ) -> None:
+        self.device, self.clock, self.gpu = device, Clock(device), GpuUtilisation(device)
+        self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.straggler_threshold = straggler_threshold
+        self._reset()
+
+    def restart(self) -> None:
+        """Start a fresh window now (at the start of training, so set-up time stays out of the first one)."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.grad_norms: list[torch.Tensor] = []
+        self.marks: list[dict[str, Any]] = []
+        self.paused = 0.0
+        self.started = self.clock.mark()
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, marks: dict[str, Any]) -> None:
+        """One finished step: its detached loss and grad norm (kept on device) and its phase timestamps."""
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm)
+        self.marks.append(marks)
+
+    def exclude(self, seconds: float) -> None:
+        """Leave time spent outside training steps (evaluation, synchronous checkpoints) out of throughput."""
+        self.paused += seconds
+
+    def close(self) -> dict[str, Any]:
+        """The window's metrics record, identical on every rank. Collective: one all_gather."""
+        steps = self.steps
+        elapsed = self.clock.seconds(self.started, self.clock.mark()) - self.paused
+        phases = {name: 0.0 for name in PHASES}
+        for marks in self.marks:
+            for name, seconds in phase_seconds(self.clock, marks).items():
+                phases[name] += seconds / steps
+        local = {
+            "loss": torch.stack(self.losses).float().mean().item(),
+            "grad_norm": torch.stack(self.grad_norms).float().mean().item(),
+            **phases,
+            "memory_reserved_bytes": float("nan"),
+            **memory_now(self.device),
+            "gpu_util_percent": self.gpu.percent() if self.gpu.handle is not None else float("nan"),
+        }
+        mine = torch.tensor([[local[f] for f in _FIELDS] + [elapsed / steps]], dtype=torch.float64)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        per_rank = torch.cat(gathered)  # [rank, field]
+        self._reset()
+        return self._record(per_rank, steps, elapsed)
+
+    def _record(self, per_rank: torch.Tensor, steps: int, elapsed: float) -> dict[str, Any]:
+        column = {name: per_rank[:, i] for i, name in enumerate(_FIELDS)}
+        step_times = per_rank[:, -1]
+        tokens_per_s = self.tokens_per_step * steps / elapsed
+        record: dict[str, Any] = {
+            "loss": column["loss"].mean().item(),
+            "grad_norm": column["grad_norm"].mean().item(),
+            "step_time_s": elapsed / steps,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": self.samples_per_step * steps / elapsed,
+        }
+        for name in PHASES:  # mean over ranks; comm is NaN where the strategy cannot separate it
+            value = column[name].mean().item()
+            if not math.isnan(value):
+                record[f"{name}_time_s"] = value
+        if self.peak_flops:
+            record["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * per_rank.shape[0])
+        for name in ("memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes"):
+            if not math.isnan(column[name].max().item()):
+                record[name] = column[name].max().item()  # the rank closest to running out
+        if not math.isnan(column["gpu_util_percent"].mean().item()):
+            record["gpu_util_percent"] = column["gpu_util_percent"].mean().item()
+        record |= self._balance(column, step_times)
+        return record
+
+    def _balance(self, column: dict[str, torch.Tensor], step_times: torch.Tensor) -> dict[str, Any]:
+        """Spread of step and busy time over ranks; the slowest rank is named when it is beyond the threshold."""
+        busy = (column["data"] + column["compute"] + column["optimizer"]).tolist()
+        slowest = max(range(len(busy)), key=busy.__getitem__)
+        others = busy[:slowest] + busy[slowest + 1 :]
+        median = statistics.median(others) if others else busy[slowest]
+        balance: dict[str, Any] = {
+            "step_time_rank_min_s": step_times.min().item(),
+            "step_time_rank_max_s": step_times.max().item(),
+            "busy_time_rank_min_s": min(busy),
+            "busy_time_rank_max_s": max(busy),
+            "busy_time_rank_mean_s": sum(busy) / len(busy),
+        }
+        slowdown = busy[slowest] / median - 1 if median > 0 else 0.0
+        if len(busy) > 1 and slowdown > self.straggler_threshold:
+            balance |= {"straggler_rank": slowest, "straggler_slowdown": slowdown}
+            log.warning(
+                "straggler: rank %d is busy %.3f s per step, %.0f%% more than the median of the other ranks (%.3f s)",
+                slowest,
+                busy[slowest],
+                100 * slowdown,
+                median,
+            )
+        return balance

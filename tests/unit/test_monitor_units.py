@@ -1,0 +1,67 @@
+"""Units of monitoring: the GPU peak table, the step split, statistics, W&B mode and run-id choice."""
+
+import pytest
+import torch
+
+from distrain.logger.reporter import metric_statistics, statistics_table
+from distrain.logger.trackers import WANDB_ID_FILE, WandbTracker
+from distrain.monitor.flops import gpu_peak_flops
+from distrain.monitor.timing import Clock, phase_seconds
+
+
+@pytest.mark.parametrize(
+    "name,low_precision,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", True, 989e12),
+        ("NVIDIA H100 PCIe", True, 756e12),
+        ("NVIDIA A100-SXM4-80GB", True, 312e12),
+        ("NVIDIA A100-SXM4-80GB", False, 19.5e12),
+        ("NVIDIA H200", True, 989e12),
+        ("Some Future GPU", True, None),
+    ],
+)
+def test_gpu_peak_table_matches_device_names(name, low_precision, peak):
+    assert gpu_peak_flops(name, low_precision) == peak
+
+
+def test_step_split_subtracts_exposed_communication_from_compute():
+    marks = {"step_start": 0.0, "data_ready": 0.5, "comm_launch": 2.0, "backward_done": 3.0, "optimizer_done": 3.25}
+    split = phase_seconds(Clock(torch.device("cpu")), marks)
+    assert split == {"data": 0.5, "compute": 1.5, "comm": 1.0, "optimizer": 0.25}
+    del marks["comm_launch"]  # a strategy without a hook: communication stays inside compute
+    split = phase_seconds(Clock(torch.device("cpu")), marks)
+    assert split["compute"] == 2.5 and split["comm"] != split["comm"]  # NaN
+
+
+def test_statistics_over_records():
+    stats = metric_statistics([{"step": 1, "loss": 2.0, "tag": "x"}, {"step": 2, "loss": 4.0}])
+    assert stats == {"loss": {"mean": 3.0, "std": 1.0, "min": 2.0, "max": 4.0, "count": 2}}
+    assert statistics_table(stats).splitlines()[1].split() == ["loss", "3", "1", "2", "4"]
+
+
+def tracker(mode="auto"):
+    return WandbTracker(project="p", entity=None, group=None, tags=[], name=None, mode=mode)
+
+
+def test_wandb_is_offline_without_credentials_and_online_with_them(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert tracker().resolved_mode() == "offline"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password secret\n")
+    (tmp_path / ".netrc").chmod(0o600)  # netrc refuses a password file others can read
+    assert tracker().resolved_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert tracker().resolved_mode() == "disabled"
+    assert tracker("offline").resolved_mode() == "offline"
+
+
+def test_wandb_run_id_is_kept_in_the_run_directory(tmp_path):
+    old_run = tmp_path / "old"
+    (old_run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (old_run / WANDB_ID_FILE).write_text("abc123\n")
+    new_run = tmp_path / "new"
+    new_run.mkdir()
+    assert WandbTracker.run_id(new_run, str(old_run / "checkpoints" / "step_00000010")) == "abc123"
+    fresh = WandbTracker.run_id(new_run, None)
+    assert fresh != "abc123" and len(fresh) == 12
