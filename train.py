@@ -118,7 +118,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         data=TrainBatches(train_windows, sampler),
         val_batches=val_batches,
         reporter=reporter,
-        checkpointer=instantiate(cfg.checkpoint)(run_dir=run_dir),
+        checkpointer=instantiate(cfg.checkpoint)(run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True)),
         settings=settings,
         window=LogWindow(
             device=env.device,

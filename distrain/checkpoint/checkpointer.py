@@ -4,6 +4,7 @@ Layout of one checkpoint, ``<dir>/step_00000100/``:
     strategy files                written by the strategy: DCP's ``*.distcp`` + ``.metadata`` (each rank writes
                                   its shards, replicated tensors once), or DeepSpeed's own sharded format;
     ``rng_rank<r>.pt``            each rank's RNG states (they differ between ranks, so they are not in DCP);
+    ``config.yaml``               the run's resolved config;
     ``manifest.json``             written last: every file with its size and SHA-256.
 Everything is written into ``step_00000100.tmp`` and renamed when all ranks are done, so a crash mid-save never
 leaves a directory that looks complete.
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from distrain.faults import maybe_inject_fault
 
@@ -109,6 +111,7 @@ class Checkpointer:
             where every rank has finished writing. Final, stop and emergency saves are always synchronous.
         emergency: after an exception, save if all ranks agree their state is consistent.
         emergency_timeout_s: how long a failed rank waits for its peers to agree.
+        config: the run's resolved config, stored in each checkpoint as ``config.yaml``.
     """
 
     def __init__(
@@ -123,8 +126,10 @@ class Checkpointer:
         async_save: bool = False,
         emergency: bool = True,
         emergency_timeout_s: float = 30.0,
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.dir = Path(dir) if dir else Path(run_dir) / "checkpoints"
+        self.config = config
         self.every_n_steps, self.keep_last, self.save_final = every_n_steps, keep_last, save_final
         self.resume, self.async_save = resume, async_save
         self.emergency, self.emergency_timeout_s = emergency, emergency_timeout_s
@@ -201,6 +206,8 @@ class Checkpointer:
     def _publish(self, step: int, tmp_path: Path, final_path: Path) -> None:
         """Rank 0 writes the manifest last and renames ``.tmp`` into place; then everyone may go on."""
         if dist.get_rank() == 0:
+            if self.config is not None:
+                (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(self.config))
             files = {
                 str(p.relative_to(tmp_path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                 for p in sorted(tmp_path.rglob("*"))

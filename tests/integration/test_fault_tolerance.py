@@ -59,6 +59,8 @@ def test_sigkill_then_resume_continues_bit_for_bit(tmp_path, uninterrupted, stra
     assert killed.returncode == 1, killed.stderr
     assert "SIGKILL" in killed.stderr or "Signal 9" in killed.stderr
     assert checkpoints(tmp_path / "run") == ["step_00000003", "step_00000006"]
+    saved_config = OmegaConf.load(tmp_path / "run" / "checkpoints" / "step_00000006" / "config.yaml")
+    assert saved_config.checkpoint.every_n_steps == 3 and saved_config.trainer.max_steps == STEPS
     resumed = run_train([*args, "checkpoint.resume=auto"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr and "step_00000006" in resumed.stderr
