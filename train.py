@@ -10,8 +10,10 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import socket
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -31,7 +33,17 @@ from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.config import TrainerConfig, register_configs
 from distrain.data.sampler import Batch, GlobalBatchSampler, TokenWindows, TrainBatches, validation_batches
 from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_failure, shutdown_distributed
-from distrain.launch import ChildFailedError, inside_launcher, launcher_rank, restarted_attempt, run_ranks
+from distrain.launch import (
+    ChildFailedError,
+    adopt_slurm_tasks,
+    in_slurm_job,
+    inside_launcher,
+    launcher_rank,
+    requeue_slurm_job,
+    restarted_attempt,
+    run_ranks,
+    slurm_restart_count,
+)
 from distrain.logger.reporter import RunReporter
 from distrain.loop import TrainState, loop_state, restore_loop_state, train
 from distrain.monitor.flops import peak_flops_per_device
@@ -45,6 +57,9 @@ from distrain.seeding import seed_everything
 from distrain.validate import ConfigError, validate
 
 register_configs()
+# conf/hydra/launcher/submitit_slurm.yaml gives the plugin's launcher our defaults and is checked against its schema
+# on purpose; Hydra warns about that matching by name on every such run.
+warnings.filterwarnings("ignore", message=".*is validated against ConfigStore schema with the same name")
 
 PEER_FAILURE_GRACE_S = 5.0
 log = logging.getLogger("distrain.train")
@@ -203,6 +218,9 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
                 master_copy=run.strategy.name == "zero",
             ),
         }
+        nodes = [None] * env.world_size
+        dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        summary["nodes"] = sorted(set(nodes))
         run.reporter.finish(summary)
         del run  # release DDP's reducer, which holds the process group, before leaving the group
         completed = True
@@ -221,6 +239,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Validate, then run ``build_and_train`` on every rank; returns the final validation loss (for sweepers)."""
+    adopt_slurm_tasks()  # a multi-task SLURM job: this task is one rank
     try:
         plan = validate(cfg)
     except ConfigError as err:
@@ -245,10 +264,10 @@ def main(cfg: DictConfig) -> float | None:
         print(f"distrain: training failed\n{err.format_msg()}", file=sys.stderr)
         sys.exit(1)
     except SignalException as err:  # the launcher forwarded the signal; ranks checkpointed at a step boundary
-        stopped(err.sigval.name, checkpoint_dir)
-    summary = results.get(0)
+        stopped(err.sigval.name, checkpoint_dir, cfg.distributed.max_requeues)
+    summary = results.get(0) or next(iter(results.values()), None)  # a SLURM task holds only its own rank
     if summary and summary["stopped_by"]:
-        stopped(summary["stopped_by"], checkpoint_dir)
+        stopped(summary["stopped_by"], checkpoint_dir, cfg.distributed.max_requeues)
     return summary["final_val_loss"] if summary else None
 
 
@@ -260,7 +279,14 @@ def run_group(hydra_cfg: DictConfig) -> str | None:
     return f"slurm-{slurm_job}" if slurm_job else None
 
 
-def stopped(signal_name: str, checkpoint_dir: str) -> None:
+def stopped(signal_name: str, checkpoint_dir: str, max_requeues: int) -> None:
+    """After a graceful stop: in a SLURM job, rank 0 requeues it (up to ``max_requeues`` times); exit 143."""
+    if in_slurm_job() and launcher_rank() == 0:
+        if slurm_restart_count() < max_requeues:
+            print(f"distrain: requeueing SLURM job {os.environ['SLURM_JOB_ID']}", file=sys.stderr)
+            requeue_slurm_job()
+        else:
+            print(f"distrain: not requeued: distributed.max_requeues={max_requeues} reached", file=sys.stderr)
     print(
         f"distrain: stopped by {signal_name} after checkpointing; continue with checkpoint.resume=auto "
         f"checkpoint.dir={checkpoint_dir} (exit status {REQUEUE_EXIT_CODE}: requeue)",

@@ -264,7 +264,7 @@ class TrainerConfig:
 class MonitorConfig:
     """Per-step measurements (distrain/monitor/); written with every logged step."""
 
-    straggler_threshold: float = 0.25  # name the busiest rank when it exceeds the median of the others by this fraction
+    straggler_threshold: float = 0.5  # name the busiest rank when it exceeds the median of the others by this fraction
     peak_flops: float | None = None  # one device's peak FLOP/s for MFU; None: GPU table, or measured on CPU
     profile_start_step: int = 3  # with profile=true: first traced step
     profile_steps: int = 3  # with profile=true: number of traced steps
@@ -277,6 +277,7 @@ class DistributedConfig:
     backend: str | None = None  # None: nccl on cuda, gloo on cpu
     timeout_s: float = 300.0  # collective timeout
     max_restarts: int = 0  # elastic restarts of all ranks after a rank fails
+    max_requeues: int = 3  # SLURM: requeues after a pre-timeout signal or preemption (checkpoint, then requeue)
     threads_per_rank: int | None = None  # CPU intra-op threads; None: cores / local ranks
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 __all__ = [
     "ChildFailedError",
+    "adopt_slurm_tasks",
+    "in_slurm_job",
+    "requeue_slurm_job",
+    "slurm_restart_count",
     "default_nproc_per_node",
     "inside_launcher",
     "launcher_rank",
@@ -38,8 +43,35 @@ def launcher_rank() -> int:
 
 
 def restarted_attempt() -> bool:
-    """True in ranks the elastic agent restarted after a failure (``distributed.max_restarts`` > 0)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    """True in ranks the elastic agent restarted after a failure (``distributed.max_restarts`` > 0), and in a SLURM
+    job that was requeued (after a time limit or preemption)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or slurm_restart_count() > 0
+
+
+def slurm_restart_count() -> int:
+    """How many times SLURM has requeued this job."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+def in_slurm_job() -> bool:
+    return "SLURM_JOB_ID" in os.environ
+
+
+def adopt_slurm_tasks() -> bool:
+    """In a SLURM step with several tasks (``srun``, or submitit with nodes x tasks_per_node > 1), make this task
+    one rank: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and MASTER_ADDR/PORT (the first node) from SLURM's
+    environment through submitit's helper. Returns whether it did; one-task jobs launch their ranks locally."""
+    if int(os.environ.get("SLURM_NTASKS", "1")) <= 1 or "SLURM_PROCID" not in os.environ or "RANK" in os.environ:
+        return False
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    return True
+
+
+def requeue_slurm_job() -> None:
+    """Ask SLURM to requeue this job (it restarts with the same command and resumes from its checkpoints)."""
+    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
 
 
 def default_nproc_per_node(device_type: str) -> int:
@@ -109,7 +141,7 @@ def run_ranks(
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method=start_method,
-        # SIGUSR1 too (SLURM's warning before a time limit): the agent forwards it to the ranks and waits for them.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        # SIGUSR1/SIGUSR2 too (SLURM's warnings before a time limit): forwarded to the ranks, which checkpoint.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
     )
     return elastic_launch(config, entrypoint)(*args)

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM / SIGUSR1 (SLURM sends one before a time limit or preemption).
+"""Graceful stop on SIGTERM / SIGUSR1 / SIGUSR2 (SLURM sends one before a time limit or preemption).
 
 The handler only records the signal; at the next step boundary all ranks agree (``distrain.agreement``: a signal
 seen by any rank stops every rank at the same step), save a checkpoint and return. The job then exits with
@@ -10,12 +10,13 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGUSR2 is what submitit asks SLURM to send before a time limit (hydra.launcher.signal_delay_s).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 REQUEUE_EXIT_CODE = 143  # 128 + SIGTERM: "terminated", the conventional status for a job stopped to be requeued
 
 
 class StopRequest:
-    """Records SIGTERM/SIGUSR1 while installed (main thread only); ``install``/``uninstall`` around training."""
+    """Records SIGTERM/SIGUSR1/SIGUSR2 while installed (main thread only); ``install``/``uninstall`` around training."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None

@@ -188,3 +188,32 @@ def test_stop_signal_checkpoints_at_a_step_boundary_and_exits_for_requeue(tmp_pa
     )
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(losses_by_step(tmp_path / "again")) == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
+
+
+def test_optuna_sweep_minimises_the_returned_validation_loss(tmp_path):
+    """train.py returns the final validation loss; the Optuna sweeper reports the best of its trials."""
+    import yaml
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "-m",
+            "--config-dir",
+            str(REPO / "multirun_sweeps"),
+            "--config-name",
+            "optuna_lr",
+            "hydra.sweeper.n_trials=2",
+            "trainer.max_steps=4",
+            "hydra.sweep.dir=sweep",
+            *FAST,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["best_value"]
+    val_losses = [json.loads((tmp_path / "sweep" / job / "summary.json").read_text())["final_val_loss"] for job in "01"]
+    assert best == min(val_losses)

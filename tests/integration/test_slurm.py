@@ -1,0 +1,101 @@
+"""train.py on a real SLURM cluster (cluster/local_slurm.sh: two slurmd daemons as nodes n1 and n2) through
+hydra-submitit-launcher: a 2-node DDP job, a 2-job multirun, a pre-timeout signal that checkpoints, requeues and
+resumes, and requests the cluster cannot satisfy."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import FAST, REPO, run_train
+
+pytestmark = [pytest.mark.integration, pytest.mark.slurm]
+
+
+def cluster_up():
+    if shutil.which("sinfo") is None:
+        return False
+    return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
+
+
+if not cluster_up():
+    pytest.skip("no SLURM cluster here (bash cluster/local_slurm.sh up starts one)", allow_module_level=True)
+
+SLURM = ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10", *FAST]
+
+
+def summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def test_two_job_multirun_finishes_both(tmp_path):
+    result = run_train([*SLURM, "trainer.max_steps=5", "trainer.seed=1,2", "hydra.sweep.dir=sweep"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    for job in ("0", "1"):
+        run_dir = tmp_path / "sweep" / job
+        assert summary(run_dir)["steps"] == 5 and (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (
+        summary(tmp_path / "sweep" / "0")["final_train_loss"] != summary(tmp_path / "sweep" / "1")["final_train_loss"]
+    )
+
+
+def test_pre_timeout_signal_checkpoints_requeues_and_finishes_like_an_uninterrupted_job(tmp_path):
+    """A 2-node job gets SIGUSR2 (what submitit asks SLURM to send before the time limit) after step 8: its ranks
+    checkpoint at the step boundary, rank 0 requeues the job, and the requeued job resumes and logs exactly the
+    losses of an uninterrupted 2-node job."""
+    args = [*SLURM, "hydra.launcher.nodes=2", "trainer.max_steps=30", "checkpoint=default"]
+    submitting = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args, "hydra.sweep.dir=signalled"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = tmp_path / "signalled" / "0" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 8):
+        time.sleep(0.5)
+    (job_id,) = [p.name for p in (tmp_path / "signalled" / ".submitit").iterdir() if p.name.isdigit()]
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+    # SLURM holds a requeued job for about two minutes before it may start again; release it as soon as it is back.
+    while time.time() < deadline and submitting.poll() is None:
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout
+        if "PENDING" in state and "BeginTime" in state:
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], timeout=30)
+        time.sleep(1)
+    output, _ = submitting.communicate(timeout=240)
+    assert submitting.returncode == 0, output
+    run_dir = tmp_path / "signalled" / "0"
+    log = "\n".join(p.read_text() for p in (tmp_path / "signalled" / ".submitit" / job_id).glob("*.err"))
+    assert "stopping at step" in log and "requeueing SLURM job" in log and "resumed from" in log
+    stopped_at = min(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir())
+    assert 8 <= stopped_at < 30
+
+    reference = run_train([*args, "hydra.sweep.dir=uninterrupted"], tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    expected = tmp_path / "uninterrupted" / "0"
+    assert summary(expected)["world_size"] == 2 and summary(expected)["nodes"] == ["n1", "n2"]
+    assert losses(run_dir) == losses(expected)  # every step, before and after the requeue
+    assert summary(run_dir)["final_val_loss"] == summary(expected)["final_val_loss"]
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("hydra.launcher.nodes=3", "hydra.launcher.nodes=3 is not allowed: at most 2 (partition debug)"),
+        ("hydra.launcher.partition=gpu", "hydra.launcher.partition='gpu' is not allowed: one of debug"),
+        ("hydra.launcher.tasks_per_node=4", "hydra.launcher.tasks_per_node=4 is not allowed"),
+    ],
+)
+def test_a_request_the_cluster_cannot_satisfy_is_refused_at_submission(tmp_path, override, message):
+    result = run_train([*SLURM, override, "hydra.sweep.dir=sweep"], tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert f"distrain: invalid SLURM request: {message}" in result.stderr
+    assert not (tmp_path / "sweep" / ".submitit").exists()  # nothing was submitted
