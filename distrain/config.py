@@ -110,6 +110,18 @@ class FSDPConfig:
 
 
 @dataclass(kw_only=True)
+class PipelineConfig:
+    """Pipeline parallelism (torch.distributed.pipelining): blocks split into stages over all ranks."""
+
+    _target_: str = "distrain.parallelism.pipeline.PipelineStrategy"
+    name: str = "pipeline"
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    microbatches: int = 4  # pipeline micro-batches per optimizer step
+    virtual_stages: int = 2  # stages per rank with schedule=interleaved
+    split_points: list[int] = field(default_factory=list)  # block indices where stages begin; empty: balanced
+
+
+@dataclass(kw_only=True)
 class ZeroConfig:
     """DeepSpeed ZeRO. ``stage`` defaults to the top-level ``stage`` (``parallelism=zero stage=3``) or 2.
 
@@ -304,7 +316,13 @@ class Config:
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"gpt": GPTConfig, "mlp": MLPConfig},
     "data": {"stdlib": StdlibDataConfig, "synthetic": SyntheticDataConfig},
-    "parallelism": {"single": SingleConfig, "ddp": DDPConfig, "fsdp": FSDPConfig, "zero": ZeroConfig},
+    "parallelism": {
+        "single": SingleConfig,
+        "ddp": DDPConfig,
+        "fsdp": FSDPConfig,
+        "zero": ZeroConfig,
+        "pipeline": PipelineConfig,
+    },
     "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
     "precision": {"autocast": PrecisionConfig},
     "comm": {"ddp": DDPCommConfig},

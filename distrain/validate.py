@@ -171,6 +171,8 @@ def validate(cfg: DictConfig) -> LaunchPlan:
         )
 
     _validate_sharding(cfg, device_type)
+    if cfg.parallelism.name == "pipeline":
+        _validate_pipeline(cfg, world_size)
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
 
 
@@ -206,3 +208,48 @@ def _validate_sharding(cfg: DictConfig, device_type: str) -> None:
             raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with DeepSpeed on cpu (no fp16 there)")
         for size in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
             _check(cfg, f"parallelism.{size}", _positive, "a number of elements > 0")
+
+
+def _validate_pipeline(cfg: DictConfig, world_size: int) -> None:
+    """Schedule, stage count against blocks, micro-batch divisibility and split points."""
+    from distrain.parallelism.pipeline import SCHEDULES
+
+    pp = cfg.parallelism
+    _check(cfg, "parallelism.schedule", _one_of(*SCHEDULES), f"one of {', '.join(SCHEDULES)}")
+    _check(cfg, "parallelism.microbatches", _at_least(1), "an integer >= 1")
+    virtual = pp.virtual_stages if pp.schedule == "interleaved" else 1
+    if pp.schedule == "interleaved":
+        _check(cfg, "parallelism.virtual_stages", _at_least(2), "an integer >= 2 with schedule=interleaved")
+        if pp.microbatches % world_size:
+            raise ConfigError(
+                "parallelism.microbatches", pp.microbatches, f"a multiple of the {world_size} ranks with interleaved"
+            )
+    stages = world_size * virtual
+    if stages > cfg.model.n_layers:
+        raise ConfigError(
+            "parallelism",
+            "pipeline",
+            f"at most model.n_layers ({cfg.model.n_layers}) stages; {world_size} ranks x {virtual} virtual stages "
+            f"= {stages}",
+        )
+    sequences = cfg.data.micro_batch_size * cfg.trainer.grad_accum_steps
+    if sequences % pp.microbatches:
+        raise ConfigError(
+            "parallelism.microbatches",
+            pp.microbatches,
+            f"a divisor of the {sequences} sequences per step (data.micro_batch_size x trainer.grad_accum_steps)",
+        )
+    points = list(pp.split_points)
+    increasing = points == sorted(set(points)) and all(0 < point < cfg.model.n_layers for point in points)
+    if points and (len(points) != stages - 1 or not increasing):
+        raise ConfigError(
+            "parallelism.split_points",
+            points,
+            f"{stages - 1} increasing block indices in 1..{cfg.model.n_layers - 1} (empty: balanced)",
+        )
+    if cfg.precision.compute_dtype == "float16":
+        raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=pipeline (no loss scaler)")
+    if cfg.trainer.on_nonfinite == "skip":
+        raise ConfigError("trainer.on_nonfinite", "skip", "stop with parallelism=pipeline")
+    if cfg.checkpoint.async_save:
+        raise ConfigError("checkpoint.async_save", True, "false with parallelism=pipeline")

@@ -1,0 +1,243 @@
+"""``parallelism=pipeline``: the model's blocks split into stages across ranks, driven by a
+``torch.distributed.pipelining`` schedule (GPipe, 1F1B, or interleaved 1F1B with several virtual stages per rank).
+
+Every rank builds the whole model on CPU, keeps only the parts of its stages and moves them to its device. Each
+optimizer step concatenates the step's micro-batches and lets the schedule split them into
+``microbatches`` pipeline micro-batches: the schedule owns forward and backward, sending activations forward and
+gradients backward between neighbouring stages (point-to-point send/recv on the default group).
+
+Collectives per step besides the schedule's send/recv: one all-reduce of the squared gradient norm (clipping needs
+the norm over every stage's parameters) and one broadcast of the loss from the last stage. Every rank reads the same
+batches (no data parallelism inside a pure pipeline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import _init_optim_state, get_model_state_dict, set_model_state_dict
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from distrain.data.sampler import Batch
+from distrain.parallelism.base import LocalBackwardStrategy, NonFiniteGradientError, StepResult, token_loss_sum
+from distrain.parallelism.memory import measure_torch_model_state
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def balanced_split(block_params: Sequence[int], num_stages: int, first_extra: int, last_extra: int) -> list[int]:
+    """Contiguous stage boundaries over the blocks (``num_stages + 1`` indices) that balance parameters per stage,
+    counting the embeddings in the first stage and the output head in the last. Every stage gets a block."""
+    weights = list(block_params)
+    weights[0] += first_extra
+    weights[-1] += last_extra
+    total, bounds, acc = sum(weights), [0], 0
+    for index, weight in enumerate(weights):
+        acc += weight
+        stages_left = num_stages - len(bounds)
+        blocks_left = len(weights) - index - 1
+        # cut after this block when the running share is reached, or when the remaining blocks are just enough
+        if stages_left > 0 and (acc >= total * len(bounds) / num_stages or blocks_left == stages_left):
+            bounds.append(index + 1)
+    bounds.append(len(weights))
+    return bounds
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a GPT-like model (``tok_emb``, ``pos_emb``, ``blocks``, ``norm``, ``head``): the
+    embeddings if it is the first stage, its blocks, the head if it is the last. Parameter names match the full
+    model's, so checkpoints name every tensor as the unsplit model does."""
+
+    def __init__(self, model: nn.Module, block_ids: Sequence[str], first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok_emb, self.pos_emb = model.tok_emb, getattr(model, "pos_emb", None)
+        self.blocks = nn.ModuleDict({i: model.blocks[i] for i in block_ids})
+        if last:
+            self.norm, self.head = model.norm, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            tokens = x
+            x = self.tok_emb(tokens)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x)) if self.last else x
+
+
+class RankModules(nn.Module):
+    """All parameters this rank holds (its stages together), under the full model's names: what the optimizer,
+    gradient clipping and checkpoints see."""
+
+    def __init__(self, stages: Sequence[StageModule]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({i: b for stage in stages for i, b in stage.blocks.items()})
+        for stage in stages:
+            for name in ("tok_emb", "pos_emb", "norm", "head"):
+                if getattr(stage, name, None) is not None:
+                    setattr(self, name, getattr(stage, name))
+
+
+class PipelineStrategy(LocalBackwardStrategy):
+    """Pipeline parallelism over all ranks.
+
+    Args:
+        schedule: ``gpipe`` (all forwards, then all backwards), ``1f1b`` (one forward one backward in steady
+            state: activations of at most ``ranks`` micro-batches alive), ``interleaved`` (1F1B over
+            ``virtual_stages`` stages per rank: a smaller bubble for more communication).
+        microbatches: pipeline micro-batches per optimizer step; the step's sequences
+            (``data.micro_batch_size x trainer.grad_accum_steps``) must divide evenly among them.
+        virtual_stages: stages per rank with ``interleaved`` (1 otherwise).
+        split_points: block indices where stages begin (``num_stages - 1`` of them); empty: balanced by parameters.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str = "pipeline",
+        schedule: str,
+        microbatches: int,
+        virtual_stages: int,
+        split_points: Sequence[int],
+    ) -> None:
+        self.name, self.schedule_name, self.microbatches = name, schedule, microbatches
+        self.virtual_stages = virtual_stages if schedule == "interleaved" else 1
+        self.split_points = list(split_points)
+
+    def setup(self, model: nn.Module, ctx: Any) -> None:
+        self.ctx, self.device = ctx, ctx.env.device
+        rank, ranks = ctx.env.rank, ctx.env.world_size
+        num_stages = ranks * self.virtual_stages
+        block_ids = list(model.blocks.keys())
+        if self.split_points:
+            bounds = [0, *self.split_points, len(block_ids)]
+        else:
+            sizes = [sum(p.numel() for p in model.blocks[i].parameters()) for i in block_ids]
+            first = sum(p.numel() for n, p in model.named_parameters() if "emb" in n)
+            last = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("norm", "head")))
+            bounds = balanced_split(sizes, num_stages, first, last)
+        # Stage s lives on rank s % ranks: rank r holds stages r, r + ranks, ... (the interleaved layout).
+        self.stage_indices = list(range(rank, num_stages, ranks))
+        self.stage_modules = [
+            StageModule(model, block_ids[bounds[s] : bounds[s + 1]], s == 0, s == num_stages - 1).to(self.device)
+            for s in self.stage_indices
+        ]
+        self.model = RankModules(self.stage_modules)
+        self.is_last = num_stages - 1 in self.stage_indices
+        self.last_rank = (num_stages - 1) % ranks
+        self.stages = [
+            PipelineStage(module, s, num_stages, self.device)
+            for module, s in zip(self.stage_modules, self.stage_indices, strict=True)
+        ]
+        self.optimizer = ctx.build_optimizer(self.model.named_parameters())
+        self.scheduler = ctx.build_scheduler(self.optimizer)
+        self.scaler = ctx.precision.grad_scaler(self.device)
+        self._state_bytes = None
+        self._step_tokens = 1
+        # Scale inside the loss (token mean over the whole step), not by the number of micro-batches.
+        if self.schedule_name == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(
+                self.stages, self.microbatches, loss_fn=self._loss, scale_grads=False
+            )
+        else:
+            single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
+            self.schedule = single(self.stages[0], self.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, targets) / self._step_tokens
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        return 0, 1  # every stage reads the same batch
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
+        self.model.train()
+        marks: dict[str, Any] = {}
+        inputs = torch.cat([b.inputs for b in micro_batches]).to(self.device)
+        targets = torch.cat([b.targets for b in micro_batches]).to(self.device)
+        self._step_tokens = targets.numel()
+        losses: list[torch.Tensor] = []
+        with self.ctx.precision.autocast(self.device):
+            if 0 in self.stage_indices:
+                self.schedule.step(inputs, target=targets, losses=losses)
+            else:
+                self.schedule.step(target=targets, losses=losses)
+        marks["backward_done"] = self.ctx.clock.mark()
+        loss = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank)
+        grad_norm = self.clip_gradients()
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteGradientError(f"gradient norm is {grad_norm.item()}; the update was not applied")
+        self.updating = True
+        self.optimizer.step()
+        if self._state_bytes is None:
+            self._state_bytes = measure_torch_model_state(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.updating = False
+        marks["optimizer_done"] = self.ctx.clock.mark()
+        return StepResult(loss=loss, grad_norm=grad_norm, marks=marks)
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Global L2 norm over every stage's gradients (one all-reduce of this rank's squared norm), then clip."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        squared = torch.zeros((), device=self.device, dtype=torch.float32)
+        for grad in grads:
+            squared += grad.detach().float().pow(2).sum()
+        dist.all_reduce(squared)
+        norm = squared.sqrt()
+        if self.ctx.grad_clip_norm > 0:
+            scale = torch.clamp(self.ctx.grad_clip_norm / (norm + 1e-6), max=1.0)
+            for grad in grads:
+                grad.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """Forward-only through the pipeline; every rank returns the last stage's summed loss (one broadcast)."""
+        self.model.eval()
+        inputs, targets = batch.inputs.to(self.device), batch.targets.to(self.device)
+        self._step_tokens = 1
+        losses: list[torch.Tensor] = []
+        with self.ctx.precision.autocast(self.device):
+            if 0 in self.stage_indices:
+                self.schedule.eval(inputs, target=targets, losses=losses)
+            else:
+                self.schedule.eval(target=targets, losses=losses)
+        loss = torch.stack(losses).sum().float() if self.is_last else torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank)
+        # evaluate() sums over ranks; every rank holds the same loss here, so count it on rank 0 only.
+        if self.ctx.env.rank != 0:
+            return torch.zeros((), device=self.device), 0
+        return loss, batch.num_tokens
+
+    def _state_dict(self) -> dict[str, Any]:
+        # Each rank's optimizer state under its own key: the stages hold disjoint parameters, and DCP's flattened
+        # optimizer format lost the hyperparameters of all but one rank's param groups (seen with torch 2.13).
+        return {
+            "model": get_model_state_dict(self.model),
+            "optimizer": {f"rank{self.ctx.env.rank}": self.optimizer.state_dict()},
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
+        """Resume on the same number of ranks and stage layout that saved (collective)."""
+        # DCP fills only the entries a template has: create the optimizer's (lazy) state first, as get_state_dict
+        # does for the other strategies, with torch's helper that steps at learning rate 0.
+        _init_optim_state(self.optimizer)
+        state = {**self._state_dict(), "extra": extra}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"][f"rank{self.ctx.env.rank}"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return state["extra"]
