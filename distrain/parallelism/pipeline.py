@@ -159,21 +159,23 @@ class PipelineStrategy(LocalBackwardStrategy):
     def data_parallel(self) -> tuple[int, int]:
         return 0, 1  # every stage reads the same batch
 
+    def _run_schedule(self, run: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``schedule.step`` or ``schedule.eval`` on this rank's stages; returns the summed loss of the last stage,
+        broadcast to every rank. Only the first stage takes inputs; every stage passes the targets along."""
+        losses: list[torch.Tensor] = []
+        with self.ctx.precision.autocast(self.device):
+            run(*([inputs] if 0 in self.stage_indices else []), target=targets, losses=losses)
+        loss = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self.last_rank)
+        return loss
+
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
         self.model.train()
-        marks: dict[str, Any] = {}
         inputs = torch.cat([b.inputs for b in micro_batches]).to(self.device)
         targets = torch.cat([b.targets for b in micro_batches]).to(self.device)
         self._step_tokens = targets.numel()
-        losses: list[torch.Tensor] = []
-        with self.ctx.precision.autocast(self.device):
-            if 0 in self.stage_indices:
-                self.schedule.step(inputs, target=targets, losses=losses)
-            else:
-                self.schedule.step(target=targets, losses=losses)
-        marks["backward_done"] = self.ctx.clock.mark()
-        loss = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.device)
-        dist.broadcast(loss, src=self.last_rank)
+        loss = self._run_schedule(self.schedule.step, inputs, targets)
+        marks: dict[str, Any] = {"backward_done": self.ctx.clock.mark()}
         grad_norm = self.clip_gradients()
         if not torch.isfinite(grad_norm):
             raise NonFiniteGradientError(f"gradient norm is {grad_norm.item()}; the update was not applied")
@@ -205,16 +207,8 @@ class PipelineStrategy(LocalBackwardStrategy):
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
         """Forward-only through the pipeline; every rank returns the last stage's summed loss (one broadcast)."""
         self.model.eval()
-        inputs, targets = batch.inputs.to(self.device), batch.targets.to(self.device)
         self._step_tokens = 1
-        losses: list[torch.Tensor] = []
-        with self.ctx.precision.autocast(self.device):
-            if 0 in self.stage_indices:
-                self.schedule.eval(inputs, target=targets, losses=losses)
-            else:
-                self.schedule.eval(target=targets, losses=losses)
-        loss = torch.stack(losses).sum().float() if self.is_last else torch.zeros((), device=self.device)
-        dist.broadcast(loss, src=self.last_rank)
+        loss = self._run_schedule(self.schedule.eval, batch.inputs.to(self.device), batch.targets.to(self.device))
         # evaluate() sums over ranks; every rank holds the same loss here, so count it on rank 0 only.
         if self.ctx.env.rank != 0:
             return torch.zeros((), device=self.device), 0
