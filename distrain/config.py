@@ -110,6 +110,14 @@ class FSDPConfig:
 
 
 @dataclass(kw_only=True)
+class TensorConfig:
+    """Tensor parallelism (DTensor): attention heads and MLP units of every block split over all ranks."""
+
+    _target_: str = "distrain.parallelism.tensor.TensorParallelStrategy"
+    name: str = "tensor"
+
+
+@dataclass(kw_only=True)
 class PipelineConfig:
     """Pipeline parallelism (torch.distributed.pipelining): blocks split into stages over all ranks."""
 
@@ -322,6 +330,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "fsdp": FSDPConfig,
         "zero": ZeroConfig,
         "pipeline": PipelineConfig,
+        "tensor": TensorConfig,
     },
     "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
     "precision": {"autocast": PrecisionConfig},

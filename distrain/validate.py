@@ -173,6 +173,8 @@ def validate(cfg: DictConfig) -> LaunchPlan:
     _validate_sharding(cfg, device_type)
     if cfg.parallelism.name == "pipeline":
         _validate_pipeline(cfg, world_size)
+    if cfg.parallelism.name == "tensor":
+        _validate_tensor(cfg, world_size)
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
 
 
@@ -253,3 +255,17 @@ def _validate_pipeline(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError("trainer.on_nonfinite", "skip", "stop with parallelism=pipeline")
     if cfg.checkpoint.async_save:
         raise ConfigError("checkpoint.async_save", True, "false with parallelism=pipeline")
+
+
+def _validate_tensor(cfg: DictConfig, world_size: int) -> None:
+    """Heads and MLP width must split evenly over the ranks."""
+    if "n_heads" not in cfg.model:
+        raise ConfigError("model", cfg.model._target_.rsplit(".", 1)[1], "a model with attention (gpt_*) for tensor")
+    if cfg.model.n_heads % world_size:
+        raise ConfigError("model.n_heads", cfg.model.n_heads, f"a multiple of the {world_size} tensor-parallel ranks")
+    if cfg.model.mlp_ratio * cfg.model.d_model % world_size:
+        raise ConfigError(
+            "model.mlp_ratio", cfg.model.mlp_ratio, f"mlp_ratio x d_model divisible by {world_size} ranks"
+        )
+    if cfg.checkpoint.async_save:
+        raise ConfigError("checkpoint.async_save", True, "false with parallelism=tensor")

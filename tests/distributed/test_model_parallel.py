@@ -1,5 +1,6 @@
-"""Pipeline parallelism on 2 gloo ranks under GPipe, 1F1B and interleaved 1F1B: the same losses as one process
-training the unsplit model, exact resume from its sharded checkpoint, balanced stages, and its bad inputs."""
+"""Model parallelism on 2 gloo ranks: pipeline under GPipe, 1F1B and interleaved 1F1B, and tensor parallelism give
+the same losses as one process training the unsplit model and resume exactly from their sharded checkpoints;
+balanced stages; bad inputs refused."""
 
 import pytest
 from helpers import FAST, compose_config, on_ranks, to_plain, train_steps
@@ -12,9 +13,10 @@ pytestmark = pytest.mark.distributed
 STEPS = 10
 COMMON = [*FAST, "model.n_layers=4", "data.micro_batch_size=4", "trainer.grad_accum_steps=2"]
 SCHEDULES = {
-    "gpipe": ["parallelism.schedule=gpipe"],
-    "1f1b": ["parallelism.schedule=1f1b"],
-    "interleaved": ["parallelism.schedule=interleaved", "parallelism.virtual_stages=2"],
+    "gpipe": ["parallelism=pipeline", "parallelism.schedule=gpipe"],
+    "1f1b": ["parallelism=pipeline", "parallelism.schedule=1f1b"],
+    "interleaved": ["parallelism=pipeline", "parallelism.schedule=interleaved", "parallelism.virtual_stages=2"],
+    "tensor": ["parallelism=tensor"],
 }
 
 
@@ -27,14 +29,14 @@ def single():
 @pytest.fixture(scope="module")
 def pipelined():
     names = list(SCHEDULES)
-    cfgs = [to_plain(compose_config([*COMMON, "parallelism=pipeline", *SCHEDULES[n]])) for n in names]
+    cfgs = [to_plain(compose_config([*COMMON, *SCHEDULES[n]])) for n in names]
     per_rank = on_ranks(train_steps, 2, cfgs, STEPS, 6)
     return {name: [per_rank[rank][i] for rank in (0, 1)] for i, name in enumerate(names)}
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_pipeline_follows_single_process_training(single, pipelined, schedule):
-    for rank in (0, 1):  # the last stage's loss, broadcast to every stage
+def test_model_parallel_follows_single_process_training(single, pipelined, schedule):
+    for rank in (0, 1):  # pipeline: the last stage's loss, broadcast to every stage
         losses = pipelined[schedule][rank]["losses"]
         worst = max(abs(a - b) for a, b in zip(single, losses, strict=True))
         assert worst < 1e-5, f"{schedule} rank {rank}: max |loss - single-process loss| = {worst}"
@@ -42,7 +44,7 @@ def test_pipeline_follows_single_process_training(single, pipelined, schedule):
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_pipeline_resumes_exactly_from_its_sharded_checkpoint(pipelined, schedule):
+def test_model_parallel_resumes_exactly_from_its_sharded_checkpoint(pipelined, schedule):
     for rank in (0, 1):
         result = pipelined[schedule][rank]
         assert result["resumed_from_step"] == 6
@@ -64,9 +66,11 @@ def test_stages_are_balanced_by_parameters():
         (["parallelism.microbatches=3"], "parallelism.microbatches", "a divisor of the 8 sequences"),
         (["parallelism.split_points=[1,2]"], "parallelism.split_points", "1 increasing block indices"),
         (["parallelism.schedule=interleaved", "parallelism.microbatches=1"], "parallelism.microbatches", "multiple"),
+        (["parallelism=tensor", "model.n_heads=1"], "model.n_heads", "a multiple of the 2 tensor-parallel ranks"),
+        (["parallelism=tensor", "model=mlp"], "model", "a model with attention"),
     ],
 )
-def test_bad_pipeline_settings_are_refused(overrides, key, allowed):
+def test_bad_model_parallel_settings_are_refused(overrides, key, allowed):
     cfg = compose_config([*COMMON, "parallelism=pipeline", "distributed.nproc_per_node=2", *overrides])
     with pytest.raises(ConfigError) as err:
         validate(cfg)
