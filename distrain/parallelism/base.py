@@ -120,6 +120,17 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
+def scale_to_norm(grads: Sequence[torch.Tensor], squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Clip ``grads`` in place to a global L2 norm of ``max_norm`` (0: no clipping) given their summed squared norm
+    over every rank's share; returns the norm before clipping."""
+    norm = squared_norm.sqrt()
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(scale)
+    return norm
+
+
 class LocalBackwardStrategy:
     """Shared ``train_step`` for strategies where autograd runs on this rank and torch's optimizer steps.
 

@@ -25,7 +25,13 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state, get_model
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from distrain.data.sampler import Batch
-from distrain.parallelism.base import LocalBackwardStrategy, NonFiniteGradientError, StepResult, token_loss_sum
+from distrain.parallelism.base import (
+    LocalBackwardStrategy,
+    NonFiniteGradientError,
+    StepResult,
+    scale_to_norm,
+    token_loss_sum,
+)
 from distrain.parallelism.memory import measure_torch_model_state
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -196,12 +202,7 @@ class PipelineStrategy(LocalBackwardStrategy):
         for grad in grads:
             squared += grad.detach().float().pow(2).sum()
         dist.all_reduce(squared)
-        norm = squared.sqrt()
-        if self.ctx.grad_clip_norm > 0:
-            scale = torch.clamp(self.ctx.grad_clip_norm / (norm + 1e-6), max=1.0)
-            for grad in grads:
-                grad.mul_(scale)
-        return norm
+        return scale_to_norm(grads, squared, self.ctx.grad_clip_norm)
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:

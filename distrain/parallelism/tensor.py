@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
+from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext, scale_to_norm
 
 TP_AXIS = "tp"
 BLOCK_PLAN = {
@@ -56,9 +56,4 @@ class TensorParallelStrategy(LocalBackwardStrategy):
         for grad in grads:
             norm = grad.detach().float().norm()
             squared += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-        norm = squared.sqrt()
-        if self.ctx.grad_clip_norm > 0:
-            scale = torch.clamp(self.ctx.grad_clip_norm / (norm + 1e-6), max=1.0)
-            for grad in grads:
-                grad.mul_(scale)
-        return norm
+        return scale_to_norm(grads, squared, self.ctx.grad_clip_norm)
