@@ -16,17 +16,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distrain.dist import PeerFailedError
 from distrain.preemption import StopRequest
+
+__all__ = ["AgreementTimeout", "PeerFailedError", "StepAgreement", "Verdict"]
 
 log = logging.getLogger(__name__)
 
 
 class AgreementTimeout(RuntimeError):
     """A failed rank's peers did not reach the step boundary in time (one of them is blocked elsewhere)."""
-
-
-class PeerFailedError(RuntimeError):
-    """Raised on healthy ranks after another rank reported a failure at the step boundary."""
 
 
 @dataclass(frozen=True)

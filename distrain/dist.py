@@ -14,8 +14,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distrain.agreement import PeerFailedError
-
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -113,6 +111,10 @@ _PEER_FAILURE_MARKERS = (
     "Broken pipe",
     "NCCL communicator was aborted",
 )
+
+
+class PeerFailedError(RuntimeError):
+    """Raised on healthy ranks after another rank reported a failure at a step boundary."""
 
 
 def is_peer_failure(err: BaseException) -> bool:

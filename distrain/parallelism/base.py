@@ -154,9 +154,13 @@ class LocalBackwardStrategy:
         self.ctx = ctx
         self.device = ctx.env.device
         self.model = self.wrap(model.to(self.device), ctx)
-        self.optimizer = ctx.build_optimizer(self.model.named_parameters())
-        self.scheduler = ctx.build_scheduler(self.optimizer)
-        self.scaler = ctx.precision.grad_scaler(self.device)
+        self.build_optimizer()
+
+    def build_optimizer(self) -> None:
+        """Optimizer, LR scheduler and grad scaler over ``self.model``'s parameters (this rank's share)."""
+        self.optimizer = self.ctx.build_optimizer(self.model.named_parameters())
+        self.scheduler = self.ctx.build_scheduler(self.optimizer)
+        self.scaler = self.ctx.precision.grad_scaler(self.device)
         self._state_bytes: ModelStateBytes | None = None
 
     @property

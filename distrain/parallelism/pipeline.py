@@ -144,10 +144,7 @@ class PipelineStrategy(LocalBackwardStrategy):
             PipelineStage(module, s, num_stages, self.device)
             for module, s in zip(self.stage_modules, self.stage_indices, strict=True)
         ]
-        self.optimizer = ctx.build_optimizer(self.model.named_parameters())
-        self.scheduler = ctx.build_scheduler(self.optimizer)
-        self.scaler = ctx.precision.grad_scaler(self.device)
-        self._state_bytes = None
+        self.build_optimizer()
         self._step_tokens = 1
         # Scale inside the loss (token mean over the whole step), not by the number of micro-batches.
         if self.schedule_name == "interleaved":

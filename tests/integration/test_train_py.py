@@ -111,22 +111,8 @@ def test_module_is_importable_without_running_hydra():
 
 @pytest.mark.parametrize("sweep", sorted(p.stem for p in (REPO / "multirun_sweeps").glob("*.yaml")))
 def test_ready_sweeps_compose(tmp_path, sweep):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "train.py"),
-            "--config-dir",
-            str(REPO / "multirun_sweeps"),
-            "--config-name",
-            sweep,
-            "--cfg",
-            "hydra",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    config = ["--config-dir", str(REPO / "multirun_sweeps"), "--config-name", sweep]
+    result = run_train([*config, "--cfg", "hydra"], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     params = result.stdout.split("sweeper:")[1].split("launcher:")[0]
     assert "params:" in params and "," in params  # a real sweep: at least one key with several values
@@ -194,25 +180,9 @@ def test_optuna_sweep_minimises_the_returned_validation_loss(tmp_path):
     """train.py returns the final validation loss; the Optuna sweeper reports the best of its trials."""
     import yaml
 
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "train.py"),
-            "-m",
-            "--config-dir",
-            str(REPO / "multirun_sweeps"),
-            "--config-name",
-            "optuna_lr",
-            "hydra.sweeper.n_trials=2",
-            "trainer.max_steps=4",
-            "hydra.sweep.dir=sweep",
-            *FAST,
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    config = ["--config-dir", str(REPO / "multirun_sweeps"), "--config-name", "optuna_lr"]
+    trials = ["hydra.sweeper.n_trials=2", "trainer.max_steps=4", "hydra.sweep.dir=sweep"]
+    result = run_train(["-m", *config, *trials, *FAST], tmp_path)
     assert result.returncode == 0, result.stderr
     best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["best_value"]
     val_losses = [json.loads((tmp_path / "sweep" / job / "summary.json").read_text())["final_val_loss"] for job in "01"]
