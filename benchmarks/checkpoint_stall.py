@@ -11,13 +11,10 @@ without checkpoints. The runs happen one after the other in one invocation, so t
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import train
 
 
 def run(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
@@ -42,13 +39,9 @@ def run(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         "trainer.eval_every=0",
         "trainer.eval_batches=1",
         "logger=none",
-        f"hydra.run.dir={run_dir}",
         *checkpoint,
     ]
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"{mode} run failed:\n{result.stderr[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = train(overrides, run_dir)
     saved = sorted((run_dir / "checkpoints").glob("step_*")) if mode != "none" else []
     size = sum(f.stat().st_size for f in saved[0].rglob("*") if f.is_file()) if saved else 0
     return {"wall_time_s": summary["wall_time_s"], "checkpoints": len(saved), "checkpoint_bytes": size}

@@ -12,14 +12,12 @@ world size, and the mean step time. Ratios are computed within one invocation, s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import metrics, publish, train
+
 STRATEGIES = {
     "ddp": ["parallelism=ddp"],
     "zero1": ["parallelism=zero", "stage=1"],
@@ -42,13 +40,9 @@ def run(name: str, world: int, precision: str, steps: int, workdir: Path) -> dic
         "trainer.log_every=5",
         "trainer.eval_every=0",
         "checkpoint=none",
-        f"hydra.run.dir={run_dir}",
     ]
-    done = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"train.py {' '.join(args)} failed:\n{done.stderr[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = train(args, run_dir)
+    records = metrics(run_dir)
     step_times = [r["step_time_s"] for r in records if "step_time_s" in r][1:]  # first window includes warm-up
     return summary | {"step_time_s": statistics.mean(step_times)}
 
@@ -74,11 +68,7 @@ def main() -> None:
                     f" | {measured / (ddp / world):.3f} | {summary['step_time_s']:.3f} |"
                 )
                 print(rows[-1], flush=True)
-    table = f"precision={args.precision}, model=gpt_tiny, data=synthetic, {args.steps} steps\n\n" + "\n".join(rows)
-    print("\n" + table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table + "\n")
+    publish(f"precision={args.precision}, model=gpt_tiny, data=synthetic, {args.steps} steps", rows, args.out)
 
 
 if __name__ == "__main__":

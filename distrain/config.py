@@ -214,6 +214,49 @@ class DDPCommConfig:
     static_graph: bool = False
 
 
+@dataclass(kw_only=True)
+class CastCommConfig(DDPCommConfig):
+    """Gradients all-reduced in 16 bits (half the bytes), then cast back to fp32."""
+
+    _target_: str = "distrain.comm.compression.CastComm"
+    name: str = "bf16"
+    dtype: str = "bfloat16"  # bfloat16 | float16
+
+
+@dataclass(kw_only=True)
+class PowerSGDCommConfig(DDPCommConfig):
+    """PyTorch's PowerSGD hook: gradient matrices sent as rank-``rank`` factors, with error feedback."""
+
+    _target_: str = "distrain.comm.compression.PowerSGDComm"
+    name: str = "powersgd"
+    rank: int = 4  # rank of the low-rank approximation
+    start_iter: int = 10  # dense all-reduce for the first steps (>= 2: DDP rebuilds its buckets after step 1)
+    min_compression_rate: float = 2.0  # a matrix is compressed only when that saves at least this factor
+    error_feedback: bool = True
+    warm_start: bool = True  # reuse the last step's Q as the starting point (one power iteration per step)
+
+
+@dataclass(kw_only=True)
+class TopKCommConfig(DDPCommConfig):
+    """Top-k sparsification with error feedback: each rank sends only its largest ``density`` fraction."""
+
+    _target_: str = "distrain.comm.compression.TopKComm"
+    name: str = "topk"
+    density: float = 0.01  # fraction of gradient entries sent per step, in (0, 1]
+    warmup_steps: int = 0  # density decays exponentially from warmup_start_density to density over these steps
+    warmup_start_density: float = 0.25
+    momentum: float = 0.0  # momentum correction in the compressor (then use optimizer=sgd optimizer.momentum=0)
+
+
+@dataclass(kw_only=True)
+class HierarchicalCommConfig(DDPCommConfig):
+    """Two-level all-reduce: reduce inside each node, all-reduce across node leaders, broadcast inside nodes."""
+
+    _target_: str = "distrain.comm.hierarchical.HierarchicalComm"
+    name: str = "hierarchical"
+    ranks_per_node: int | None = None  # None: the launcher's LOCAL_WORLD_SIZE (torchrun, SLURM tasks per node)
+
+
 # ----------------------------------------------------------------------------------------- checkpoint
 
 
@@ -334,7 +377,13 @@ SCHEMAS: dict[str, dict[str, type]] = {
     },
     "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
     "precision": {"autocast": PrecisionConfig},
-    "comm": {"ddp": DDPCommConfig},
+    "comm": {
+        "ddp": DDPCommConfig,
+        "cast": CastCommConfig,
+        "powersgd": PowerSGDCommConfig,
+        "topk": TopKCommConfig,
+        "hierarchical": HierarchicalCommConfig,
+    },
     "checkpoint": {"dcp": CheckpointConfig},
     "logger": {"none": NoTrackerConfig, "jsonl": JsonlTrackerConfig, "wandb": WandbTrackerConfig},
 }

@@ -170,12 +170,55 @@ def validate(cfg: DictConfig) -> LaunchPlan:
             "checkpoints reshard, zero ones do not)",
         )
 
+    _validate_comm(cfg, world_size)
     _validate_sharding(cfg, device_type)
     if cfg.parallelism.name == "pipeline":
         _validate_pipeline(cfg, world_size)
     if cfg.parallelism.name == "tensor":
         _validate_tensor(cfg, world_size)
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
+
+
+def _validate_comm(cfg: DictConfig, world_size: int) -> None:
+    """Compression and hierarchical all-reduce are DDP communication hooks: only parallelism=ddp has them."""
+    comm = cfg.comm
+    if comm.name != "default" and cfg.parallelism.name != "ddp":
+        raise ConfigError(
+            "comm",
+            comm.name,
+            f"comm=default with parallelism={cfg.parallelism.name}; comm={comm.name} is a DDP communication hook "
+            "and combines only with parallelism=ddp (zero, fsdp, pipeline, tensor and single have no DDP hooks)",
+        )
+    if "dtype" in comm:
+        _check(cfg, "comm.dtype", _one_of("bfloat16", "float16"), "bfloat16 or float16")
+    if comm.name == "powersgd" or "start_iter" in comm:
+        _check(cfg, "comm.rank", _at_least(1), "an integer >= 1 (rank of the gradient approximation)")
+        _check(cfg, "comm.start_iter", _at_least(2), "an integer >= 2 (DDP rebuilds its buckets after step 1)")
+        _check(cfg, "comm.min_compression_rate", _positive, "a number > 0")
+    if "density" in comm:
+        _check(cfg, "comm.density", lambda v: v is not None and 0 < v <= 1, "a fraction in (0, 1]")
+        _check(cfg, "comm.warmup_steps", _at_least(0), "an integer >= 0")
+        _check(
+            cfg,
+            "comm.warmup_start_density",
+            lambda v: v is not None and comm.density <= v <= 1,
+            f"a fraction in [comm.density ({comm.density}), 1]",
+        )
+        _check(cfg, "comm.momentum", lambda v: v is not None and 0 <= v < 1, "a number in [0, 1)")
+        uses_momentum = cfg.optimizer._target_.endswith(".sgd") and cfg.optimizer.momentum == 0
+        if comm.momentum > 0 and not uses_momentum:
+            raise ConfigError(
+                "comm.momentum",
+                comm.momentum,
+                "0 unless optimizer=sgd optimizer.momentum=0 (momentum correction moves momentum into the compressor)",
+            )
+    if "ranks_per_node" in comm and comm.ranks_per_node is not None:
+        _check(
+            cfg,
+            "comm.ranks_per_node",
+            lambda v: v >= 1 and world_size % v == 0,
+            f"a divisor of the world size ({world_size}), or null for the launcher's ranks per node",
+        )
 
 
 def _validate_sharding(cfg: DictConfig, device_type: str) -> None:

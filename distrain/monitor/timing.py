@@ -53,3 +53,25 @@ def phase_seconds(clock: Clock, marks: dict[str, Any]) -> dict[str, float]:
         "comm": comm,
         "optimizer": clock.seconds(marks["backward_done"], marks["optimizer_done"]),
     }
+
+
+def comm_traffic(clock: Clock, marks: dict[str, Any]) -> dict[str, float]:
+    """One step's gradient communication as a DDP comm hook reported it (NaN for strategies without hooks).
+
+    ``comm_busy``: seconds during which at least one bucket's collective was in flight (union of the buckets'
+    launch-to-done intervals), hidden behind backward or not; ``comm_bytes``: bytes this rank sent;
+    ``comm_dense_bytes``: what a dense fp32 ring all-reduce of the same buckets would have sent.
+    """
+    if "comm_intervals" not in marks:
+        return {"comm_busy": math.nan, "comm_bytes": math.nan, "comm_dense_bytes": math.nan}
+    intervals = sorted(
+        (clock.seconds(marks["data_ready"], start), clock.seconds(marks["data_ready"], end))
+        for start, end in marks["comm_intervals"]
+    )
+    busy, covered_until = 0.0, -math.inf
+    for start, end in intervals:
+        start = max(start, covered_until)
+        if end > start:
+            busy += end - start
+            covered_until = end
+    return {"comm_busy": busy, "comm_bytes": marks["comm_bytes"], "comm_dense_bytes": marks["comm_dense_bytes"]}

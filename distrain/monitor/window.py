@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.monitor.system import GpuUtilisation, memory_now
-from distrain.monitor.timing import PHASES, Clock, phase_seconds
+from distrain.monitor.timing import PHASES, Clock, comm_traffic, phase_seconds
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,9 @@ _FIELDS = (
     "loss",
     "grad_norm",
     *PHASES,
+    "comm_busy",
+    "comm_bytes",
+    "comm_dense_bytes",
     "memory_allocated_bytes",
     "memory_reserved_bytes",
     "memory_peak_bytes",
@@ -91,8 +94,8 @@ class LogWindow:
         elapsed = self.clock.seconds(self.started, self.clock.mark()) - self.paused
         phases = {name: 0.0 for name in PHASES}
         for marks in self.marks:
-            for name, seconds in phase_seconds(self.clock, marks).items():
-                phases[name] += seconds / steps
+            for name, value in (phase_seconds(self.clock, marks) | comm_traffic(self.clock, marks)).items():
+                phases[name] = phases.get(name, 0.0) + value / steps
         local = {
             "loss": torch.stack(self.losses).float().mean().item(),
             "grad_norm": torch.stack(self.grad_norms).float().mean().item(),
@@ -123,6 +126,7 @@ class LogWindow:
             value = column[name].mean().item()
             if not math.isnan(value):
                 record[f"{name}_time_s"] = value
+        record |= self._communication(column)
         if self.peak_flops:
             record["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * per_rank.shape[0])
         for name in ("memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes"):
@@ -131,6 +135,22 @@ class LogWindow:
         if not math.isnan(column["gpu_util_percent"].mean().item()):
             record["gpu_util_percent"] = column["gpu_util_percent"].mean().item()
         record |= self._balance(column, step_times)
+        return record
+
+    @staticmethod
+    def _communication(column: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Gradient bytes and communication time from a DDP comm hook (nothing for strategies without hooks)."""
+        if math.isnan(column["comm_bytes"].mean().item()):
+            return {}
+        sent, busy = column["comm_bytes"].mean().item(), column["comm_busy"].mean().item()
+        record = {
+            "grad_bytes_sent": sent,  # per rank per step, mean over ranks
+            "grad_bytes_sent_rank_max": column["comm_bytes"].max().item(),
+            "grad_compression_ratio": column["comm_dense_bytes"].mean().item() / sent if sent else math.inf,
+            "comm_busy_time_s": busy,
+        }
+        if busy > 0:  # the part of the collectives' time that backward covered
+            record["comm_hidden_fraction"] = min(1.0, max(0.0, 1.0 - column["comm"].mean().item() / busy))
         return record
 
     def _balance(self, column: dict[str, torch.Tensor], step_times: torch.Tensor) -> dict[str, Any]:

@@ -65,7 +65,8 @@ class StepResult:
     loss: torch.Tensor
     grad_norm: torch.Tensor
     skipped: bool = False  # the update was not applied (non-finite gradients, on_nonfinite=skip)
-    # Phase timestamps (``distrain.monitor.timing``): backward_done, optimizer_done and, under DDP, comm_launch.
+    # Phase timestamps (``distrain.monitor.timing``): backward_done, optimizer_done and, under DDP, comm_launch;
+    # under DDP also the comm hook's traffic (``DDPComm.step_report``).
     marks: dict[str, Any] = field(default_factory=dict)
 
 
@@ -174,6 +175,7 @@ class LocalBackwardStrategy:
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
         self.model.train()
         self._marks: dict[str, Any] = {}
+        self.ctx.comm.begin_step()
         total_tokens = sum(batch.num_tokens for batch in micro_batches)
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(micro_batches):
@@ -184,6 +186,7 @@ class LocalBackwardStrategy:
                 self.scaler.scale(micro_loss / total_tokens).backward()
             loss_sum += micro_loss.detach()
         self._marks["backward_done"] = self.ctx.clock.mark()
+        self._marks |= self.ctx.comm.step_report()
         grad_norm = self.clip_gradients()
         skipped = False
         # The norm is computed from synchronised gradients, so every rank takes the same decision. With a grad

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
 
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain.checkpoint.checkpointer import checkpoint_world_size
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
+
+log = logging.getLogger(__name__)
 
 
 class DDPStrategy(LocalBackwardStrategy):
-    """Replicated parameters; gradients all-reduced (averaged) over all ranks.
+    """Replicated parameters; gradients averaged over all ranks by the ``comm`` option's hook.
 
     Collectives: a broadcast of parameters from rank 0 when wrapping; during the backward of the last
-    micro-batch of each step, one all-reduce per gradient bucket, overlapped with backward. Earlier micro-batches
-    run under ``no_sync`` and accumulate locally, so accumulation adds no communication.
+    micro-batch of each step, the comm hook's collectives per gradient bucket (``comm=default``: one ring
+    all-reduce), overlapped with backward. Earlier micro-batches run under ``no_sync`` and accumulate locally,
+    so accumulation adds no communication.
     """
 
     def __init__(self, *, name: str = "ddp", find_unused_parameters: bool) -> None:
@@ -29,8 +37,38 @@ class DDPStrategy(LocalBackwardStrategy):
             find_unused_parameters=self.find_unused_parameters,
             **ctx.comm.ddp_kwargs(),
         )
-        ctx.comm.register(ddp, on_launch=self.mark_comm_launch)
+        ctx.comm.register(ddp, ctx.env, ctx.clock, on_launch=self.mark_comm_launch)
         return ddp
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
         return nullcontext() if enabled else self.model.no_sync()
+
+    _with_comm_state = True  # whether checkpoints include the comm option's per-rank state
+
+    def _state_dict(self) -> dict[str, Any]:
+        # Compression state (error feedback) differs per rank: each rank saves it under its own key.
+        state = super()._state_dict()
+        if self._with_comm_state and (comm_state := self.ctx.comm.state_dict()):
+            state[f"comm_rank{self.ctx.env.rank}"] = comm_state
+        return state
+
+    def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
+        """Also restores the comm option's state when the checkpoint has it for this rank and was written by
+        the same world size (a residual belongs to one rank's data shard); otherwise that state starts empty."""
+        saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        restored = checkpoint_world_size(path) == self.ctx.env.world_size and any(
+            key.startswith(f"comm_rank{self.ctx.env.rank}.") for key in saved_keys
+        )
+        if self.ctx.comm.state_dict() and not restored:
+            log.warning(
+                "comm=%s: no compression state for this rank and world size in %s; it starts empty",
+                self.ctx.comm.name,
+                path,
+            )
+        self._with_comm_state = restored
+        try:
+            loaded = super().load_checkpoint(path, extra)
+        finally:
+            self._with_comm_state = True
+        self.ctx.comm.on_resume(self.scheduler.last_epoch, restored)
+        return loaded

@@ -99,3 +99,18 @@ def test_a_request_the_cluster_cannot_satisfy_is_refused_at_submission(tmp_path,
     assert result.returncode == 2
     assert f"distrain: invalid SLURM request: {message}" in result.stderr
     assert not (tmp_path / "sweep" / ".submitit").exists()  # nothing was submitted
+
+
+def test_hierarchical_all_reduce_takes_its_nodes_from_slurm(tmp_path):
+    """comm=hierarchical in a 2-node job finds its node groups in SLURM's environment (tasks per node, node names)
+    and trains exactly like the flat all-reduce in the same 2-node allocation."""
+    args = [*SLURM, "hydra.launcher.nodes=2", "trainer.max_steps=8", "comm=default,hierarchical"]
+    result = run_train([*args, "hydra.sweep.dir=sweep"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    flat, two_level = tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"
+    assert "hierarchical all-reduce: 2 nodes x 1 ranks per node (n1, n2)" in (two_level / "train.log").read_text()
+    assert summary(two_level)["nodes"] == ["n1", "n2"]
+    flat_losses, two_level_losses = losses(flat), losses(two_level)
+    assert flat_losses.keys() == two_level_losses.keys() and len(flat_losses) >= 8
+    for step, loss in flat_losses.items():
+        assert two_level_losses[step] == pytest.approx(loss, rel=1e-6), step

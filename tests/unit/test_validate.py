@@ -37,6 +37,17 @@ BAD_INPUTS = [
     ("precision=fp16 precision.compute_dtype=float64", "precision.compute_dtype", "float32, bfloat16, float16"),
     ("parallelism=zero checkpoint.async_save=true", "checkpoint.async_save", "DeepSpeed saves synchronously"),
     ("checkpoint.emergency_timeout_s=0", "checkpoint.emergency_timeout_s", "> 0"),
+    ("comm=topk comm.density=0", "comm.density", "(0, 1]"),
+    ("comm=topk comm.density=1.5", "comm.density", "(0, 1]"),
+    ("comm=topk comm.warmup_start_density=0.001", "comm.warmup_start_density", "[comm.density (0.01), 1]"),
+    ("comm=topk comm.momentum=0.9", "comm.momentum", "optimizer=sgd optimizer.momentum=0"),
+    ("parallelism=fsdp comm=topk", "comm", "combines only with parallelism=ddp"),
+    ("parallelism=zero comm=powersgd", "comm", "combines only with parallelism=ddp"),
+    ("parallelism=pipeline comm=bf16", "comm", "comm=default with parallelism=pipeline"),
+    ("comm=powersgd comm.start_iter=1", "comm.start_iter", ">= 2"),
+    ("comm=powersgd comm.rank=0", "comm.rank", ">= 1"),
+    ("comm=bf16 comm.dtype=float8", "comm.dtype", "bfloat16 or float16"),
+    ("comm=hierarchical comm.ranks_per_node=3", "comm.ranks_per_node", "divisor of the world size (2)"),
 ]
 
 
@@ -80,6 +91,8 @@ def test_autocast_probe_reports_unsupported_combinations():
         ("stage=3", "parallelism=ddp takes no stage; stages apply to parallelism=zero (1/2/3), parallelism=fsdp"),
         ("parallelism=zero stage=4", "stage=4 is not allowed: parallelism=zero takes stage 1 or 2 or 3"),
         ("parallelism=zero parallelism.offload_param=cpu", "parallelism.offload_param='cpu' is not allowed"),
+        ("comm=topk comm.density=2", "comm.density=2.0 is not allowed: a fraction in (0, 1]"),
+        ("parallelism=fsdp comm=topk", "comm='topk' is not allowed: comm=default with parallelism=fsdp"),
     ],
 )
 def test_train_py_prints_one_line_and_exits_2(tmp_path, override, needle):
