@@ -115,6 +115,8 @@ class TensorConfig:
 
     _target_: str = "distrain.parallelism.tensor.TensorParallelStrategy"
     name: str = "tensor"
+    sequence_parallel: bool = False  # norms, dropout and residual stream split along the sequence
+    loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (no gather of the logits)
 
 
 @dataclass(kw_only=True)
@@ -127,6 +129,26 @@ class PipelineConfig:
     microbatches: int = 4  # pipeline micro-batches per optimizer step
     virtual_stages: int = 2  # stages per rank with schedule=interleaved
     split_points: list[int] = field(default_factory=list)  # block indices where stages begin; empty: balanced
+    activation_checkpointing: list[int] = field(default_factory=list)  # stages that recompute activations
+
+
+@dataclass(kw_only=True)
+class HybridConfig:
+    """Data x tensor x pipeline parallelism on one (pp, dp, tp) device mesh; FSDP2 on the dp axis."""
+
+    _target_: str = "distrain.parallelism.hybrid.HybridStrategy"
+    name: str = "hybrid"
+    dp: int = -1  # data-parallel degree; -1: world size / (tp x pp)
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline stages (ranks); with pp > 1 the pipeline keys below apply
+    stage: int = "${stage_or:3}"  # FSDP on dp: 2 keeps gathered parameters forward to backward; 3 reshards
+    sequence_parallel: bool = False  # as in parallelism=tensor (pp=1 only)
+    loss_parallel: bool = False  # as in parallelism=tensor (pp=1 only)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    microbatches: int = 4  # pipeline micro-batches per optimizer step
+    virtual_stages: int = 2  # stages per pipeline rank with schedule=interleaved
+    split_points: list[int] = field(default_factory=list)  # block indices where stages begin; empty: balanced
+    activation_checkpointing: list[int] = field(default_factory=list)  # stages that recompute activations
 
 
 @dataclass(kw_only=True)
@@ -374,6 +396,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "zero": ZeroConfig,
         "pipeline": PipelineConfig,
         "tensor": TensorConfig,
+        "hybrid": HybridConfig,
     },
     "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
     "precision": {"autocast": PrecisionConfig},

@@ -22,7 +22,7 @@ from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.precision.policy import autocast_supported
 
 # Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
-STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3)}
+STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3), "hybrid": (2, 3)}
 
 
 class ConfigError(ValueError):
@@ -176,6 +176,8 @@ def validate(cfg: DictConfig) -> LaunchPlan:
         _validate_pipeline(cfg, world_size)
     if cfg.parallelism.name == "tensor":
         _validate_tensor(cfg, world_size)
+    if cfg.parallelism.name == "hybrid":
+        _validate_hybrid(cfg, world_size)
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
 
 
@@ -256,7 +258,8 @@ def _validate_sharding(cfg: DictConfig, device_type: str) -> None:
 
 
 def _validate_pipeline(cfg: DictConfig, world_size: int) -> None:
-    """Schedule, stage count against blocks, micro-batch divisibility and split points."""
+    """Schedule, stage count against blocks, micro-batch divisibility and split points; ``world_size``: the ranks
+    of one pipeline."""
     from distrain.parallelism.pipeline import SCHEDULES
 
     pp = cfg.parallelism
@@ -273,7 +276,7 @@ def _validate_pipeline(cfg: DictConfig, world_size: int) -> None:
     if stages > cfg.model.n_layers:
         raise ConfigError(
             "parallelism",
-            "pipeline",
+            cfg.parallelism.name,
             f"at most model.n_layers ({cfg.model.n_layers}) stages; {world_size} ranks x {virtual} virtual stages "
             f"= {stages}",
         )
@@ -292,12 +295,19 @@ def _validate_pipeline(cfg: DictConfig, world_size: int) -> None:
             points,
             f"{stages - 1} increasing block indices in 1..{cfg.model.n_layers - 1} (empty: balanced)",
         )
+    recompute = list(pp.activation_checkpointing)
+    if any(not 0 <= stage < stages for stage in recompute):
+        raise ConfigError(
+            "parallelism.activation_checkpointing", recompute, f"stage indices in 0..{stages - 1} (empty: none)"
+        )
     if cfg.precision.compute_dtype == "float16":
-        raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=pipeline (no loss scaler)")
+        raise ConfigError(
+            "precision", cfg.precision.name, f"fp32 or bf16 with parallelism={cfg.parallelism.name} (no loss scaler)"
+        )
     if cfg.trainer.on_nonfinite == "skip":
-        raise ConfigError("trainer.on_nonfinite", "skip", "stop with parallelism=pipeline")
+        raise ConfigError("trainer.on_nonfinite", "skip", f"stop with parallelism={cfg.parallelism.name} pipelines")
     if cfg.checkpoint.async_save:
-        raise ConfigError("checkpoint.async_save", True, "false with parallelism=pipeline")
+        raise ConfigError("checkpoint.async_save", True, f"false with parallelism={cfg.parallelism.name}")
 
 
 def _validate_tensor(cfg: DictConfig, world_size: int) -> None:
@@ -305,10 +315,59 @@ def _validate_tensor(cfg: DictConfig, world_size: int) -> None:
     if "n_heads" not in cfg.model:
         raise ConfigError("model", cfg.model._target_.rsplit(".", 1)[1], "a model with attention (gpt_*) for tensor")
     if cfg.model.n_heads % world_size:
-        raise ConfigError("model.n_heads", cfg.model.n_heads, f"a multiple of the {world_size} tensor-parallel ranks")
+        raise ConfigError(
+            "model.n_heads", cfg.model.n_heads, f"a multiple of the {world_size} tensor-parallel ranks (tp)"
+        )
     if cfg.model.mlp_ratio * cfg.model.d_model % world_size:
         raise ConfigError(
             "model.mlp_ratio", cfg.model.mlp_ratio, f"mlp_ratio x d_model divisible by {world_size} ranks"
         )
     if cfg.checkpoint.async_save:
-        raise ConfigError("checkpoint.async_save", True, "false with parallelism=tensor")
+        raise ConfigError("checkpoint.async_save", True, f"false with parallelism={cfg.parallelism.name}")
+    if cfg.parallelism.sequence_parallel and cfg.data.seq_len % world_size:
+        raise ConfigError(
+            "data.seq_len",
+            cfg.data.seq_len,
+            f"a multiple of the {world_size} tensor-parallel ranks with sequence_parallel",
+        )
+    if cfg.parallelism.loss_parallel and cfg.model.vocab_size % world_size:
+        raise ConfigError(
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            f"a multiple of the {world_size} tensor-parallel ranks with loss_parallel",
+        )
+
+
+def _validate_hybrid(cfg: DictConfig, world_size: int) -> None:
+    """Degrees against the world size, then the tensor and pipeline rules for their own axes."""
+    hybrid = cfg.parallelism
+    _check(cfg, "parallelism.tp", _at_least(1), "an integer >= 1")
+    _check(cfg, "parallelism.pp", _at_least(1), "an integer >= 1")
+    if hybrid.dp != -1:
+        _check(cfg, "parallelism.dp", _at_least(1), "an integer >= 1, or -1 for world size / (tp x pp)")
+    dp = world_size // (hybrid.tp * hybrid.pp) if hybrid.dp == -1 else hybrid.dp
+    if dp * hybrid.tp * hybrid.pp != world_size or dp < 1:
+        key, value = ("parallelism.dp", hybrid.dp) if hybrid.dp != -1 else ("parallelism.tp", hybrid.tp)
+        shown = "world size / (tp x pp)" if hybrid.dp == -1 else str(hybrid.dp)
+        raise ConfigError(
+            key,
+            value,
+            f"degrees whose product is the world size {world_size}: dp x tp x pp = {shown} x {hybrid.tp} x {hybrid.pp}",
+        )
+    if "n_heads" not in cfg.model:
+        raise ConfigError("model", cfg.model._target_.rsplit(".", 1)[1], "a model with attention (gpt_*) for hybrid")
+    if cfg.precision.compute_dtype == "float16":
+        raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=hybrid (no loss scaler)")
+    if hybrid.tp > 1:
+        _validate_tensor(cfg, hybrid.tp)
+    if hybrid.pp == 1 and hybrid.activation_checkpointing:
+        raise ConfigError(
+            "parallelism.activation_checkpointing", list(hybrid.activation_checkpointing), "[] with pp=1 (per stage)"
+        )
+    if hybrid.pp > 1:
+        _validate_pipeline(cfg, hybrid.pp)
+        for option in ("sequence_parallel", "loss_parallel"):
+            if hybrid[option]:
+                raise ConfigError(f"parallelism.{option}", True, "false with parallelism.pp > 1 (whole models only)")
+    if cfg.checkpoint.async_save:
+        raise ConfigError("checkpoint.async_save", True, "false with parallelism=hybrid")

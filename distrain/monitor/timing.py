@@ -75,3 +75,19 @@ def comm_traffic(clock: Clock, marks: dict[str, Any]) -> dict[str, float]:
             busy += end - start
             covered_until = end
     return {"comm_busy": busy, "comm_bytes": marks["comm_bytes"], "comm_dense_bytes": marks["comm_dense_bytes"]}
+
+
+def pipeline_occupancy(clock: Clock, marks: dict[str, Any]) -> dict[str, float]:
+    """One step of a pipeline schedule on this rank (NaN for other strategies).
+
+    ``stage_busy``: seconds this rank's stages spent in forward and backward chunks; ``schedule``: seconds the
+    schedule ran; ``theoretical_bubble``: the schedule's ideal idle fraction. Busy over schedule time is the
+    stage's occupancy; the rest is its bubble (waiting for neighbours, and the send/recv themselves).
+    """
+    if "stage_intervals" not in marks:
+        return {"stage_busy": math.nan, "schedule": math.nan, "theoretical_bubble": math.nan}
+    return {
+        "stage_busy": sum(clock.seconds(start, end) for start, end in marks["stage_intervals"]),
+        "schedule": clock.seconds(*marks["schedule_span"]),
+        "theoretical_bubble": marks["theoretical_bubble"],
+    }

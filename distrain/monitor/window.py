@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from distrain.monitor.system import GpuUtilisation, memory_now
-from distrain.monitor.timing import PHASES, Clock, comm_traffic, phase_seconds
+from distrain.monitor.timing import PHASES, Clock, comm_traffic, phase_seconds, pipeline_occupancy
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ _FIELDS = (
     "comm_busy",
     "comm_bytes",
     "comm_dense_bytes",
+    "stage_busy",
+    "schedule",
+    "theoretical_bubble",
     "memory_allocated_bytes",
     "memory_reserved_bytes",
     "memory_peak_bytes",
@@ -94,7 +97,8 @@ class LogWindow:
         elapsed = self.clock.seconds(self.started, self.clock.mark()) - self.paused
         phases = {name: 0.0 for name in PHASES}
         for marks in self.marks:
-            for name, value in (phase_seconds(self.clock, marks) | comm_traffic(self.clock, marks)).items():
+            measured = phase_seconds(self.clock, marks) | comm_traffic(self.clock, marks)
+            for name, value in (measured | pipeline_occupancy(self.clock, marks)).items():
                 phases[name] = phases.get(name, 0.0) + value / steps
         local = {
             "loss": torch.stack(self.losses).float().mean().item(),
@@ -127,6 +131,7 @@ class LogWindow:
             if not math.isnan(value):
                 record[f"{name}_time_s"] = value
         record |= self._communication(column)
+        record |= self._pipeline(column)
         if self.peak_flops:
             record["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * per_rank.shape[0])
         for name in ("memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes"):
@@ -151,6 +156,18 @@ class LogWindow:
         }
         if busy > 0:  # the part of the collectives' time that backward covered
             record["comm_hidden_fraction"] = min(1.0, max(0.0, 1.0 - column["comm"].mean().item() / busy))
+        return record
+
+    @staticmethod
+    def _pipeline(column: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The pipeline bubble: each rank's idle fraction of the pipeline's time (the longest rank's schedule time:
+        a last stage that finishes early idles until the others do), their mean, and the ideal schedule's."""
+        if math.isnan(column["schedule"].mean().item()):
+            return {}
+        idle = (1.0 - column["stage_busy"] / column["schedule"].max()).clamp(0.0, 1.0).tolist()
+        record = {f"pipeline_bubble_rank{rank}": value for rank, value in enumerate(idle)}
+        record["pipeline_bubble"] = sum(idle) / len(idle)
+        record["pipeline_bubble_theory"] = column["theoretical_bubble"].mean().item()
         return record
 
     def _balance(self, column: dict[str, torch.Tensor], step_times: torch.Tensor) -> dict[str, Any]:

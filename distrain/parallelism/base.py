@@ -121,6 +121,23 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
+def as_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (a loss computed on sharded logits) as the plain tensor every rank holds."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def squared_grad_norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared L2 norms of ``grads`` as one fp32 scalar on ``device``. A sharded gradient (DTensor: FSDP
+    or tensor-parallel) counts with its full norm (DTensor reduces it over its mesh: one all-reduce each); a plain
+    gradient counts as this rank's copy. Replicated plain gradients are thus counted once per rank that holds them,
+    and the caller sums over ranks holding different parameters (pipeline stages)."""
+    squared = torch.zeros((), device=device, dtype=torch.float32)
+    for grad in grads:
+        norm = grad.detach().float().norm()
+        squared += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    return squared
+
+
 def scale_to_norm(grads: Sequence[torch.Tensor], squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Clip ``grads`` in place to a global L2 norm of ``max_norm`` (0: no clipping) given their summed squared norm
     over every rank's share; returns the norm before clipping."""
@@ -149,6 +166,10 @@ class LocalBackwardStrategy:
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
         del enabled
+        return contextlib.nullcontext()
+
+    def loss_context(self) -> AbstractContextManager[None]:
+        """Entered around forward, loss and backward (tensor parallelism's vocabulary-parallel loss)."""
         return contextlib.nullcontext()
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
@@ -180,11 +201,11 @@ class LocalBackwardStrategy:
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(micro_batches):
             batch = batch.to(self.device)
-            with self.gradient_sync(index == len(micro_batches) - 1):
+            with self.gradient_sync(index == len(micro_batches) - 1), self.loss_context():
                 with self.ctx.precision.autocast(self.device):
                     micro_loss = token_loss_sum(self.model(batch.inputs), batch.targets)
                 self.scaler.scale(micro_loss / total_tokens).backward()
-            loss_sum += micro_loss.detach()
+            loss_sum += as_tensor(micro_loss.detach())
         self._marks["backward_done"] = self.ctx.clock.mark()
         self._marks |= self.ctx.comm.step_report()
         grad_norm = self.clip_gradients()
@@ -219,8 +240,8 @@ class LocalBackwardStrategy:
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
         self.model.eval()
         batch = batch.to(self.device)
-        with self.ctx.precision.autocast(self.device):
-            return token_loss_sum(self.model(batch.inputs), batch.targets), batch.num_tokens
+        with self.loss_context(), self.ctx.precision.autocast(self.device):
+            return as_tensor(token_loss_sum(self.model(batch.inputs), batch.targets)), batch.num_tokens
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

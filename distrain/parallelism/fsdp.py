@@ -7,10 +7,11 @@ from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
+from distrain.precision.policy import PrecisionPolicy
 
 DP_AXIS = "dp"
 
@@ -35,20 +36,25 @@ class FSDPStrategy(LocalBackwardStrategy):
 
     def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
         mesh = init_device_mesh(ctx.env.device.type, (ctx.env.world_size,), mesh_dim_names=(DP_AXIS,))
-        precision = ctx.precision
-        mixed = MixedPrecisionPolicy(
-            param_dtype=precision.compute_dtype if precision.uses_autocast else None, reduce_dtype=torch.float32
-        )
-        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
-        for block in model.blocks.values():
-            fully_shard(
-                block, mesh=mesh, reshard_after_forward=self.stage == 3, mp_policy=mixed, offload_policy=offload
-            )
-        # The root's own parameters (embeddings, final norm, head) are used last in forward and first in backward:
-        # resharding them after forward would only add an all-gather.
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
-        return model
+        return shard_blocks_and_root(model, mesh, ctx.precision, stage=self.stage, cpu_offload=self.cpu_offload)
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
         self.model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
+
+
+def shard_blocks_and_root(
+    model: nn.Module, mesh: DeviceMesh, precision: PrecisionPolicy, *, stage: int, cpu_offload: bool = False
+) -> nn.Module:
+    """``fully_shard`` each of ``model.blocks`` and then ``model`` itself (its remaining parameters) over the 1-D
+    ``mesh``; parameters become DTensors sharded on dim 0. ``model`` may be a pipeline stage (any of the blocks)."""
+    mixed = MixedPrecisionPolicy(
+        param_dtype=precision.compute_dtype if precision.uses_autocast else None, reduce_dtype=torch.float32
+    )
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mixed, offload_policy=offload)
+    # The root's own parameters (embeddings, final norm, head) are used last in forward and first in backward:
+    # resharding them after forward would only add an all-gather.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
+    return model

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state, get_model_state_dict, set_model_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.utils.checkpoint import checkpoint
 
 from distrain.data.sampler import Batch
 from distrain.parallelism.base import (
@@ -30,6 +31,7 @@ from distrain.parallelism.base import (
     NonFiniteGradientError,
     StepResult,
     scale_to_norm,
+    squared_grad_norm,
     token_loss_sum,
 )
 from distrain.parallelism.memory import measure_torch_model_state
@@ -60,9 +62,11 @@ class StageModule(nn.Module):
     embeddings if it is the first stage, its blocks, the head if it is the last. Parameter names match the full
     model's, so checkpoints name every tensor as the unsplit model does."""
 
-    def __init__(self, model: nn.Module, block_ids: Sequence[str], first: bool, last: bool) -> None:
+    def __init__(
+        self, model: nn.Module, block_ids: Sequence[str], first: bool, last: bool, recompute: bool = False
+    ) -> None:
         super().__init__()
-        self.first, self.last = first, last
+        self.first, self.last, self.recompute = first, last, recompute
         if first:
             self.tok_emb, self.pos_emb = model.tok_emb, getattr(model, "pos_emb", None)
         self.blocks = nn.ModuleDict({i: model.blocks[i] for i in block_ids})
@@ -76,7 +80,8 @@ class StageModule(nn.Module):
             if self.pos_emb is not None:
                 x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks.values():
-            x = block(x)
+            # Activation checkpointing: keep only each block's input; backward reruns its forward.
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute and self.training else block(x)
         return self.head(self.norm(x)) if self.last else x
 
 
@@ -104,6 +109,11 @@ class PipelineStrategy(LocalBackwardStrategy):
             (``data.micro_batch_size x trainer.grad_accum_steps``) must divide evenly among them.
         virtual_stages: stages per rank with ``interleaved`` (1 otherwise).
         split_points: block indices where stages begin (``num_stages - 1`` of them); empty: balanced by parameters.
+        activation_checkpointing: stage indices whose blocks keep only their inputs and recompute the rest in
+            backward (e.g. ``[0]``: under 1F1B the first stage holds the most micro-batches in flight).
+
+    Each step reports the stage's measured idle fraction (the bubble) beside the schedule's theoretical one:
+    busy is the time in this rank's forward and backward chunks, idle the rest of the schedule's time.
     """
 
     def __init__(
@@ -114,14 +124,17 @@ class PipelineStrategy(LocalBackwardStrategy):
         microbatches: int,
         virtual_stages: int,
         split_points: Sequence[int],
+        activation_checkpointing: Sequence[int] = (),
     ) -> None:
         self.name, self.schedule_name, self.microbatches = name, schedule, microbatches
+        self.recompute_stages = set(activation_checkpointing)
         self.virtual_stages = virtual_stages if schedule == "interleaved" else 1
         self.split_points = list(split_points)
 
     def setup(self, model: nn.Module, ctx: Any) -> None:
         self.ctx, self.device = ctx, ctx.env.device
-        rank, ranks = ctx.env.rank, ctx.env.world_size
+        rank, ranks, self.pp_group = self.pipeline_ranks(ctx)
+        self.pp_rank = rank
         num_stages = ranks * self.virtual_stages
         block_ids = list(model.blocks.keys())
         if self.split_points:
@@ -134,17 +147,30 @@ class PipelineStrategy(LocalBackwardStrategy):
         # Stage s lives on rank s % ranks: rank r holds stages r, r + ranks, ... (the interleaved layout).
         self.stage_indices = list(range(rank, num_stages, ranks))
         self.stage_modules = [
-            StageModule(model, block_ids[bounds[s] : bounds[s + 1]], s == 0, s == num_stages - 1).to(self.device)
+            self.parallelize_stage(
+                StageModule(
+                    model,
+                    block_ids[bounds[s] : bounds[s + 1]],
+                    first=s == 0,
+                    last=s == num_stages - 1,
+                    recompute=s in self.recompute_stages,
+                ).to(self.device)
+            )
             for s in self.stage_indices
         ]
         self.model = RankModules(self.stage_modules)
         self.is_last = num_stages - 1 in self.stage_indices
-        self.last_rank = (num_stages - 1) % ranks
+        self.last_stage_rank = (num_stages - 1) % ranks  # within the pipeline group
         self.stages = [
-            PipelineStage(module, s, num_stages, self.device)
+            PipelineStage(module, s, num_stages, self.device, group=self.pp_group)
             for module, s in zip(self.stage_modules, self.stage_indices, strict=True)
         ]
         self.build_optimizer()
+        self._busy: list[tuple[Any, Any]] = []
+        for stage in self.stages:
+            self._time_chunks(stage)
+        # Idle fraction of an ideal schedule: (p - 1) / (v m + p - 1) for p ranks, v stages each, m micro-batches.
+        self.theoretical_bubble = (ranks - 1) / (self.virtual_stages * self.microbatches + ranks - 1)
         self._step_tokens = 1
         # Scale inside the loss (token mean over the whole step), not by the number of micro-batches.
         if self.schedule_name == "interleaved":
@@ -154,6 +180,28 @@ class PipelineStrategy(LocalBackwardStrategy):
         else:
             single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
             self.schedule = single(self.stages[0], self.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _time_chunks(self, stage: PipelineStage) -> None:
+        """Record (start, end) clock marks of every forward and backward chunk the schedule runs on ``stage``."""
+        for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            run = getattr(stage, method)
+
+            def timed(*args: Any, _run: Any = run, **kwargs: Any) -> Any:
+                start = self.ctx.clock.mark()
+                try:
+                    return _run(*args, **kwargs)
+                finally:
+                    self._busy.append((start, self.ctx.clock.mark()))
+
+            setattr(stage, method, timed)
+
+    def pipeline_ranks(self, ctx: Any) -> tuple[int, int, dist.ProcessGroup | None]:
+        """This rank's position in its pipeline, the pipeline's size, and its process group (None: all ranks)."""
+        return ctx.env.rank, ctx.env.world_size, None
+
+    def parallelize_stage(self, module: StageModule) -> StageModule:
+        """Hook for composed strategies: shard or split a stage's module before it joins the schedule."""
+        return module
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits, targets) / self._step_tokens
@@ -166,10 +214,12 @@ class PipelineStrategy(LocalBackwardStrategy):
         """``schedule.step`` or ``schedule.eval`` on this rank's stages; returns the summed loss of the last stage,
         broadcast to every rank. Only the first stage takes inputs; every stage passes the targets along."""
         losses: list[torch.Tensor] = []
+        self._busy, started = [], self.ctx.clock.mark()
         with self.ctx.precision.autocast(self.device):
             run(*([inputs] if 0 in self.stage_indices else []), target=targets, losses=losses)
+        self._schedule_span = (started, self.ctx.clock.mark())
         loss = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.device)
-        dist.broadcast(loss, src=self.last_rank)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.last_stage_rank)
         return loss
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
@@ -178,7 +228,12 @@ class PipelineStrategy(LocalBackwardStrategy):
         targets = torch.cat([b.targets for b in micro_batches]).to(self.device)
         self._step_tokens = targets.numel()
         loss = self._run_schedule(self.schedule.step, inputs, targets)
-        marks: dict[str, Any] = {"backward_done": self.ctx.clock.mark()}
+        marks: dict[str, Any] = {
+            "backward_done": self.ctx.clock.mark(),
+            "stage_intervals": self._busy,
+            "schedule_span": self._schedule_span,
+            "theoretical_bubble": self.theoretical_bubble,
+        }
         grad_norm = self.clip_gradients()
         if not torch.isfinite(grad_norm):
             raise NonFiniteGradientError(f"gradient norm is {grad_norm.item()}; the update was not applied")
@@ -193,12 +248,11 @@ class PipelineStrategy(LocalBackwardStrategy):
         return StepResult(loss=loss, grad_norm=grad_norm, marks=marks)
 
     def clip_gradients(self) -> torch.Tensor:
-        """Global L2 norm over every stage's gradients (one all-reduce of this rank's squared norm), then clip."""
+        """Global L2 norm over every stage's gradients (one all-reduce of this rank's squared norm over the
+        pipeline, after DTensor's own reductions of sharded gradients), then clip."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        squared = torch.zeros((), device=self.device, dtype=torch.float32)
-        for grad in grads:
-            squared += grad.detach().float().pow(2).sum()
-        dist.all_reduce(squared)
+        squared = squared_grad_norm(grads, self.device)
+        dist.all_reduce(squared, group=self.pp_group)
         return scale_to_norm(grads, squared, self.ctx.grad_clip_norm)
 
     @torch.no_grad()
@@ -207,17 +261,21 @@ class PipelineStrategy(LocalBackwardStrategy):
         self.model.eval()
         self._step_tokens = 1
         loss = self._run_schedule(self.schedule.eval, batch.inputs.to(self.device), batch.targets.to(self.device))
-        # evaluate() sums over ranks; every rank holds the same loss here, so count it on rank 0 only.
-        if self.ctx.env.rank != 0:
+        # evaluate() sums over ranks; every rank of a pipeline holds the same loss here, so count it once.
+        if not self.reports_eval_loss():
             return torch.zeros((), device=self.device), 0
         return loss, batch.num_tokens
 
+    def reports_eval_loss(self) -> bool:
+        return self.ctx.env.rank == 0
+
     def _state_dict(self) -> dict[str, Any]:
-        # Each rank's optimizer state under its own key: the stages hold disjoint parameters, and DCP's flattened
-        # optimizer format lost the hyperparameters of all but one rank's param groups (seen with torch 2.13).
+        # Each pipeline rank's optimizer state under its own key: the stages hold disjoint parameters, and DCP's
+        # flattened optimizer format lost the hyperparameters of all but one rank's param groups (seen with torch
+        # 2.13). Data- and tensor-parallel peers of a composed pipeline share the key and fill its DTensors' shards.
         return {
             "model": get_model_state_dict(self.model),
-            "optimizer": {f"rank{self.ctx.env.rank}": self.optimizer.state_dict()},
+            "optimizer": {f"rank{self.pp_rank}": self.optimizer.state_dict()},
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
         }
@@ -230,6 +288,6 @@ class PipelineStrategy(LocalBackwardStrategy):
         state = {**self._state_dict(), "extra": extra}
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"][f"rank{self.ctx.env.rank}"])
+        self.optimizer.load_state_dict(state["optimizer"][f"rank{self.pp_rank}"])
         self.scheduler.load_state_dict(state["scheduler"])
         return state["extra"]

@@ -2,46 +2,116 @@
 
 In every block, q/k/v and the MLP's input projection are split by output columns (``ColwiseParallel``: each rank
 computes ``n_heads / ranks`` heads and ``hidden / ranks`` MLP units) and the attention output and MLP output
-projections by input rows (``RowwiseParallel``). Embeddings, norms and the output head stay replicated, so the logits
-are whole on every rank and the loss is computed as in one process.
+projections by input rows (``RowwiseParallel``). By default embeddings, norms and the output head stay replicated, so
+the logits are whole on every rank and the loss is computed as in one process.
 
-Collectives: one all-reduce of activations after each row-parallel projection in forward (two per block), and the
-matching ones for input gradients in backward; one all-reduce of the squared gradient norm for clipping. Every rank
-reads the same batch (no data parallelism inside pure tensor parallelism).
+Options:
+
+- ``sequence_parallel``: between the attention and MLP sub-blocks, the residual stream, its norms and dropout are
+  split along the sequence (Korthikanti et al. 2022): each rank holds ``seq_len / ranks`` positions there. The
+  row-parallel outputs become reduce-scatters onto the sequence shards and each sub-block starts with an all-gather
+  of its normed input, instead of one all-reduce per sub-block: the same bytes, a fraction of the activation memory.
+  The final norm runs on sequence shards and the head is column-parallel over the vocabulary.
+- ``loss_parallel``: the head is column-parallel and the logits stay split over the vocabulary; the cross-entropy
+  runs on the shards (``torch.distributed.tensor.parallel.loss_parallel``: all-reduces of the per-token max and sum
+  of exponentials, never the full logits). Otherwise the vocabulary shards are all-gathered before the loss.
+
+Collectives: per block, two all-reduces of activations in forward and two in backward (or, with sequence
+parallelism, two all-gathers and two reduce-scatters each way); DTensor's reductions of the gradient norm for
+clipping. Every rank reads the same batch (no data parallelism inside pure tensor parallelism).
 """
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
-from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext, scale_to_norm
+from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext, scale_to_norm, squared_grad_norm
 
 TP_AXIS = "tp"
-BLOCK_PLAN = {
-    "attn.wq": ColwiseParallel,
-    "attn.wk": ColwiseParallel,
-    "attn.wv": ColwiseParallel,
-    "attn.wo": RowwiseParallel,
-    "mlp.w_in": ColwiseParallel,
-    "mlp.w_out": RowwiseParallel,
-}
+SEQUENCE = Shard(1)  # activations are (batch, sequence, features)
+
+
+def block_plan(sequence_parallel: bool) -> dict[str, object]:
+    """The plan for one transformer block; with ``sequence_parallel`` its input and output are sequence shards."""
+    plan: dict[str, object] = {
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=SEQUENCE if sequence_parallel else Replicate()),
+        "mlp.w_in": ColwiseParallel(),
+        "mlp.w_out": RowwiseParallel(output_layouts=SEQUENCE if sequence_parallel else Replicate()),
+    }
+    if sequence_parallel:
+        gather = PrepareModuleInput(
+            input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+        plan |= {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(), "attn": gather, "mlp": gather}
+    return plan
+
+
+def parallelize_blocks(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Split every one of ``model.blocks`` over the 1-D ``mesh`` (in place); other parameters stay plain tensors,
+    replicated. ``model`` may be a pipeline stage."""
+    for block in model.blocks.values():
+        parallelize_module(block, mesh, block_plan(sequence_parallel=False))
+    return model
+
+
+def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
+    """Split the whole model over the 1-D ``mesh`` (in place): every block, and with either option the head
+    (column-parallel over the vocabulary). With ``sequence_parallel`` the first block splits its input along the
+    sequence (a local slice, no communication) and the final norm runs on sequence shards."""
+    for block in model.blocks.values():
+        parallelize_module(block, mesh, block_plan(sequence_parallel))
+    if sequence_parallel:
+        split = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(SEQUENCE,), use_local_output=True
+        )
+        parallelize_module(next(iter(model.blocks.values())), mesh, split)
+        parallelize_module(model.norm, mesh, SequenceParallel())
+    if sequence_parallel or loss_parallel:
+        head = ColwiseParallel(
+            input_layouts=SEQUENCE if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+        parallelize_module(model.head, mesh, head)
+    return model
 
 
 class TensorParallelStrategy(LocalBackwardStrategy):
-    """Tensor parallelism of every transformer block over all ranks (a 1-D ``tp`` mesh)."""
+    """Tensor parallelism of every transformer block over all ranks (a 1-D ``tp`` mesh).
 
-    def __init__(self, *, name: str = "tensor") -> None:
-        self.name = name
+    Args:
+        sequence_parallel: norms, dropout and the residual stream split along the sequence (see module doc).
+        loss_parallel: cross-entropy on vocabulary-sharded logits, without gathering them.
+    """
+
+    def __init__(self, *, name: str = "tensor", sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
+        self.name, self.sequence_parallel, self.loss_parallel = name, sequence_parallel, loss_parallel
 
     def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
         mesh = init_device_mesh(ctx.env.device.type, (ctx.env.world_size,), mesh_dim_names=(TP_AXIS,))
-        for block in model.blocks.values():
-            parallelize_module(block, mesh, {path: style() for path, style in BLOCK_PLAN.items()})
-        return model
+        return parallelize_model(
+            model, mesh, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
+        )
+
+    def loss_context(self) -> AbstractContextManager[None]:
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     @property
     def data_parallel(self) -> tuple[int, int]:
@@ -52,8 +122,4 @@ class TensorParallelStrategy(LocalBackwardStrategy):
         the mesh by DTensor; replicated gradients are identical on every rank and counted once."""
         self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        squared = torch.zeros((), device=self.device, dtype=torch.float32)
-        for grad in grads:
-            norm = grad.detach().float().norm()
-            squared += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-        return scale_to_norm(grads, squared, self.ctx.grad_clip_norm)
+        return scale_to_norm(grads, squared_grad_norm(grads, self.device), self.ctx.grad_clip_norm)

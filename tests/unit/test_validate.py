@@ -47,6 +47,9 @@ BAD_INPUTS = [
     ("comm=powersgd comm.start_iter=1", "comm.start_iter", ">= 2"),
     ("comm=powersgd comm.rank=0", "comm.rank", ">= 1"),
     ("comm=bf16 comm.dtype=float8", "comm.dtype", "bfloat16 or float16"),
+    ("parallelism=hybrid parallelism.dp=2 parallelism.tp=2", "parallelism.dp", "product is the world size 2"),
+    ("parallelism=hybrid parallelism.tp=3", "parallelism.tp", "dp x tp x pp = world size / (tp x pp) x 3 x 1"),
+    ("parallelism=hybrid precision=fp16", "precision", "fp32 or bf16 with parallelism=hybrid"),
     ("comm=hierarchical comm.ranks_per_node=3", "comm.ranks_per_node", "divisor of the world size (2)"),
 ]
 

@@ -1,0 +1,190 @@
+"""``parallelism=hybrid``: data, tensor and pipeline parallelism composed on one device mesh.
+
+The mesh is built once from the degrees, ``pp x dp x tp == world size``, with ``tp`` the fastest-varying axis (the
+ranks of a tensor-parallel group are neighbours, on one node when degrees allow: the axis with the most traffic)
+and ``pp`` the slowest. In each pipeline stage (the whole model when ``pp == 1``):
+
+1. every block is split over the ``tp`` axis (``distrain.parallelism.tensor.parallelize_blocks``);
+2. then the blocks and the rest are sharded over the ``dp`` axis with FSDP2
+   (``distrain.parallelism.fsdp.shard_blocks_and_root``): parameters become 2-D DTensors (dp-sharded, tp-split);
+3. with ``pp > 1`` the stages join a ``torch.distributed.pipelining`` schedule over the ``pp`` axis.
+
+Collectives: tensor parallelism's activation all-reduces inside each ``tp`` group; FSDP's all-gathers and gradient
+reduce-scatters inside each ``dp`` group; the schedule's send/recv between neighbouring stages of a ``pp`` group;
+gradient clipping's norm reductions over each axis. Ranks with the same ``dp`` coordinate read the same batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from distrain.parallelism.base import StrategyContext
+from distrain.parallelism.fsdp import shard_blocks_and_root
+from distrain.parallelism.pipeline import PipelineStrategy, StageModule
+from distrain.parallelism.tensor import TensorParallelStrategy, parallelize_blocks, parallelize_model
+
+AXES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshDegrees:
+    """Degrees of the three axes; ``dp=-1`` in config means "the rest of the world size"."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @classmethod
+    def resolve(cls, *, dp: int, tp: int, pp: int, world_size: int) -> MeshDegrees:
+        """The degrees for ``world_size`` ranks; ValueError names the mismatch."""
+        if dp == -1:
+            if world_size % (tp * pp):
+                raise ValueError(f"tp x pp = {tp * pp} does not divide the world size {world_size}")
+            dp = world_size // (tp * pp)
+        if dp * tp * pp != world_size:
+            raise ValueError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, not the world size {world_size}")
+        return cls(pp=pp, dp=dp, tp=tp)
+
+
+def build_mesh(degrees: MeshDegrees, device_type: str) -> DeviceMesh:
+    """The (pp, dp, tp) mesh over all ranks (collective: creates one process group per axis slice)."""
+    return init_device_mesh(device_type, (degrees.pp, degrees.dp, degrees.tp), mesh_dim_names=AXES)
+
+
+def compose(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    degrees: MeshDegrees,
+    ctx: StrategyContext,
+    stage: int,
+    tensor_options: dict[str, bool] | None = None,
+) -> nn.Module:
+    """Tensor parallelism on ``tp``, then FSDP on ``dp``, in place; axes of degree 1 are skipped.
+    ``tensor_options`` (sequence_parallel, loss_parallel) apply to a whole model; a pipeline stage passes None."""
+    if degrees.tp > 1 and tensor_options is not None:
+        parallelize_model(module, mesh["tp"], **tensor_options)
+    elif degrees.tp > 1:
+        parallelize_blocks(module, mesh["tp"])
+    if degrees.dp > 1:
+        shard_blocks_and_root(module, mesh["dp"], ctx.precision, stage=stage)
+    return module
+
+
+class HybridStrategy:
+    """Chooses the implementation for the degrees at setup: a pipeline of composed stages when ``pp > 1``, else
+    one composed model driven like the other local-backward strategies.
+
+    Args:
+        dp: data-parallel degree (FSDP2 over it); -1: world size / (tp x pp).
+        tp: tensor-parallel degree (heads and MLP units split).
+        pp: pipeline-parallel degree (stages).
+        stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees them.
+        sequence_parallel, loss_parallel: tensor parallelism's options (``pp == 1`` only).
+        schedule, microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's, as in
+            ``parallelism=pipeline``.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str = "hybrid",
+        dp: int,
+        tp: int,
+        pp: int,
+        stage: int,
+        sequence_parallel: bool,
+        loss_parallel: bool,
+        schedule: str,
+        microbatches: int,
+        virtual_stages: int,
+        split_points: list[int],
+        activation_checkpointing: list[int],
+    ) -> None:
+        self.name = name
+        self.sizes = {"dp": dp, "tp": tp, "pp": pp}
+        self.fsdp_stage = stage
+        self.tensor_options = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
+        self.pipeline = {
+            "schedule": schedule,
+            "microbatches": microbatches,
+            "virtual_stages": virtual_stages,
+            "split_points": split_points,
+            "activation_checkpointing": activation_checkpointing,
+        }
+        self._impl: Any = None
+
+    def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
+        degrees = MeshDegrees.resolve(**self.sizes, world_size=ctx.env.world_size)
+        mesh = build_mesh(degrees, ctx.env.device.type)
+        if degrees.pp > 1:
+            self._impl = _ComposedPipeline(mesh, degrees, self.fsdp_stage, name=self.name, **self.pipeline)
+        else:
+            self._impl = _ComposedModel(mesh, degrees, self.fsdp_stage, name=self.name, **self.tensor_options)
+        self._impl.setup(model, ctx)
+
+    def __getattr__(self, attribute: str) -> Any:
+        # Everything else of the Strategy interface (train_step, eval_loss, checkpoints, ...) is the chosen one's.
+        impl = self.__dict__.get("_impl")
+        if impl is None:
+            raise AttributeError(attribute)
+        return getattr(impl, attribute)
+
+    @property
+    def updating(self) -> bool:
+        return bool(self._impl and self._impl.updating)
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        return self._impl.data_parallel
+
+
+class _ComposedModel(TensorParallelStrategy):
+    """pp == 1: the whole model, tensor-parallel on ``tp`` and FSDP-sharded on ``dp``."""
+
+    def __init__(
+        self, mesh: DeviceMesh, degrees: MeshDegrees, fsdp_stage: int, *, name: str, **tensor_options: bool
+    ) -> None:
+        super().__init__(name=name, **tensor_options)
+        self.mesh, self.degrees, self.fsdp_stage = mesh, degrees, fsdp_stage
+
+    def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
+        options = {"sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel}
+        return compose(model, self.mesh, self.degrees, ctx, self.fsdp_stage, options)
+
+    def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
+        if self.degrees.dp > 1:
+            self.model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        return self.mesh["dp"].get_local_rank(), self.degrees.dp
+
+
+class _ComposedPipeline(PipelineStrategy):
+    """pp > 1: pipeline stages over ``pp``, each tensor-parallel on ``tp`` and FSDP-sharded on ``dp``."""
+
+    def __init__(self, mesh: DeviceMesh, degrees: MeshDegrees, fsdp_stage: int, **pipeline: Any) -> None:
+        super().__init__(**pipeline)
+        self.mesh, self.degrees, self.fsdp_stage = mesh, degrees, fsdp_stage
+
+    def pipeline_ranks(self, ctx: Any) -> tuple[int, int, dist.ProcessGroup | None]:
+        return self.mesh["pp"].get_local_rank(), self.degrees.pp, self.mesh["pp"].get_group()
+
+    def parallelize_stage(self, module: StageModule) -> StageModule:
+        return compose(module, self.mesh, self.degrees, self.ctx, self.fsdp_stage)
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        return self.mesh["dp"].get_local_rank(), self.degrees.dp
+
+    def reports_eval_loss(self) -> bool:
+        # One rank per data-parallel group: all ranks of a pipeline and its tensor-parallel peers hold the same loss.
+        return self.mesh["pp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
