@@ -142,6 +142,7 @@ class HybridConfig:
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline stages (ranks); with pp > 1 the pipeline keys below apply
     stage: int = "${stage_or:3}"  # FSDP on dp: 2 keeps gathered parameters forward to backward; 3 reshards
+    dp_mode: str = "fsdp"  # fsdp: shard over dp | replicate: whole copies, gradients all-reduced (DDP semantics)
     sequence_parallel: bool = False  # as in parallelism=tensor (pp=1 only)
     loss_parallel: bool = False  # as in parallelism=tensor (pp=1 only)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved

@@ -354,6 +354,7 @@ def _validate_hybrid(cfg: DictConfig, world_size: int) -> None:
             value,
             f"degrees whose product is the world size {world_size}: dp x tp x pp = {shown} x {hybrid.tp} x {hybrid.pp}",
         )
+    _check(cfg, "parallelism.dp_mode", _one_of("fsdp", "replicate"), "fsdp or replicate")
     if "n_heads" not in cfg.model:
         raise ConfigError("model", cfg.model._target_.rsplit(".", 1)[1], "a model with attention (gpt_*) for hybrid")
     if cfg.precision.compute_dtype == "float16":

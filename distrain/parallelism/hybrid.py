@@ -53,8 +53,13 @@ class MeshDegrees:
         return cls(pp=pp, dp=dp, tp=tp)
 
 
-def build_mesh(degrees: MeshDegrees, device_type: str) -> DeviceMesh:
-    """The (pp, dp, tp) mesh over all ranks (collective: creates one process group per axis slice)."""
+def build_mesh(degrees: MeshDegrees, device_type: str, dp_mode: str = "fsdp") -> DeviceMesh:
+    """The (pp, dp, tp) mesh over all ranks (collective: creates one process group per axis slice). With
+    ``dp_mode="replicate"`` a ``dp_shard`` axis of size 1 follows ``dp``: FSDP2 over (dp, dp_shard) replicates over
+    ``dp`` and shards over nothing."""
+    if dp_mode == "replicate":
+        shape, names = (degrees.pp, degrees.dp, 1, degrees.tp), ("pp", "dp", "dp_shard", "tp")
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
     return init_device_mesh(device_type, (degrees.pp, degrees.dp, degrees.tp), mesh_dim_names=AXES)
 
 
@@ -66,13 +71,16 @@ def compose(
     stage: int,
     tensor_options: dict[str, bool] | None = None,
 ) -> nn.Module:
-    """Tensor parallelism on ``tp``, then FSDP on ``dp``, in place; axes of degree 1 are skipped.
+    """Tensor parallelism on ``tp``, then FSDP on ``dp`` (sharded, or replicated when the mesh has a ``dp_shard``
+    axis), in place; axes of degree 1 are skipped.
     ``tensor_options`` (sequence_parallel, loss_parallel) apply to a whole model; a pipeline stage passes None."""
     if degrees.tp > 1 and tensor_options is not None:
         parallelize_model(module, mesh["tp"], **tensor_options)
     elif degrees.tp > 1:
         parallelize_blocks(module, mesh["tp"])
-    if degrees.dp > 1:
+    if degrees.dp > 1 and "dp_shard" in (mesh.mesh_dim_names or ()):
+        shard_blocks_and_root(module, mesh["dp", "dp_shard"], ctx.precision, stage=2)
+    elif degrees.dp > 1:
         shard_blocks_and_root(module, mesh["dp"], ctx.precision, stage=stage)
     return module
 
@@ -86,6 +94,10 @@ class HybridStrategy:
         tp: tensor-parallel degree (heads and MLP units split).
         pp: pipeline-parallel degree (stages).
         stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees them.
+        dp_mode: ``fsdp`` shards parameters, gradients and optimizer state over dp (reduce-scatter of gradients);
+            ``replicate`` keeps them whole on every dp rank and all-reduces gradients once per step: DDP's
+            semantics, through FSDP2's replicate dimension (the one data-parallel wrapper that composes with DTensor
+            tensor parallelism and pipeline stages).
         sequence_parallel, loss_parallel: tensor parallelism's options (``pp == 1`` only).
         schedule, microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's, as in
             ``parallelism=pipeline``.
@@ -99,6 +111,7 @@ class HybridStrategy:
         tp: int,
         pp: int,
         stage: int,
+        dp_mode: str,
         sequence_parallel: bool,
         loss_parallel: bool,
         schedule: str,
@@ -109,7 +122,7 @@ class HybridStrategy:
     ) -> None:
         self.name = name
         self.sizes = {"dp": dp, "tp": tp, "pp": pp}
-        self.fsdp_stage = stage
+        self.fsdp_stage, self.dp_mode = stage, dp_mode
         self.tensor_options = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
         self.pipeline = {
             "schedule": schedule,
@@ -122,7 +135,7 @@ class HybridStrategy:
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         degrees = MeshDegrees.resolve(**self.sizes, world_size=ctx.env.world_size)
-        mesh = build_mesh(degrees, ctx.env.device.type)
+        mesh = build_mesh(degrees, ctx.env.device.type, self.dp_mode)
         if degrees.pp > 1:
             self._impl = _ComposedPipeline(mesh, degrees, self.fsdp_stage, name=self.name, **self.pipeline)
         else:

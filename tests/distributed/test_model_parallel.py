@@ -69,6 +69,8 @@ HYBRID = {  # 4 ranks; (overrides, data-parallel degree)
         ],
         2,
     ),
+    "dp2_tp2_replicate": (["parallelism=hybrid", "parallelism.tp=2", "parallelism.dp_mode=replicate"], 2),
+    "dp2_pp2_replicate": (["parallelism=hybrid", "parallelism.pp=2", "parallelism.dp_mode=replicate"], 2),
     "tp2_pp2": (["parallelism=hybrid", "parallelism.tp=2", "parallelism.pp=2", "parallelism.schedule=gpipe"], 1),
 }
 
@@ -106,6 +108,14 @@ def test_hybrid_mesh_resumes_exactly_from_its_sharded_checkpoint(hybrid, layout)
     for rank, result in enumerate(hybrid[layout]):
         assert result["resumed_from_step"] == 6
         assert result["resumed_losses"] == result["losses"][6:], f"{layout} rank {rank}"
+
+
+def test_replicated_data_parallel_axis_holds_whole_copies(hybrid):
+    """dp_mode=replicate keeps each rank's tensor-parallel share whole on both dp ranks; fsdp halves it."""
+    for rank in range(4):
+        sharded, replicated = hybrid["dp2_tp2"][rank]["memory"], hybrid["dp2_tp2_replicate"][rank]["memory"]
+        assert replicated["params"] == 2 * sharded["params"]
+        assert replicated["optimizer"] == pytest.approx(2 * sharded["optimizer"], rel=0.01)
 
 
 def test_activation_checkpointing_per_stage_keeps_the_losses():
