@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: running train.py once and writing the resulting markdown table."""
+"""What the benchmark scripts share: running train.py once, and publishing a markdown table and a bar chart."""
 
 from __future__ import annotations
 
@@ -26,10 +26,32 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def publish(title: str, rows: list[str], out: Path | None) -> None:
-    """Print the table under ``title``, and write it to ``out`` when given."""
+def publish(
+    title: str,
+    rows: list[str],
+    out_dir: Path | None,
+    name: str,
+    bars: tuple[dict[str, float], str] | None = None,
+    log_scale: bool = False,
+) -> None:
+    """Print the table under ``title``. With ``out_dir``: also write ``<name>.md`` and, given ``bars``
+    (label -> value, axis label), ``<name>.png``."""
     table = f"{title}\n\n" + "\n".join(rows)
     print("\n" + table)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(table + "\n")
+    if out_dir is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.md").write_text(table + "\n")
+    if bars is not None:
+        import matplotlib.pyplot as plt
+
+        values, label = bars
+        figure, axes = plt.subplots(figsize=(7, 4))
+        axes.bar(range(len(values)), list(values.values()))
+        axes.set_xticks(range(len(values)), list(values), rotation=30, ha="right", fontsize="small")
+        axes.set(ylabel=label, title=title if len(title) < 70 else name)
+        if log_scale:
+            axes.set_yscale("log")
+        figure.tight_layout()
+        figure.savefig(out_dir / f"{name}.png", dpi=100)
+        print(f"wrote {out_dir / name}.md and .png")

@@ -8,7 +8,7 @@ traffic model in distrain/comm/traffic.py, checked against gloo's socket writes 
 Ratios are computed within one invocation.
 
     python benchmarks/compression.py                        # 200 steps, 2 ranks
-    python benchmarks/compression.py --steps 100 --world-size 4 --out results/compression.md
+    python benchmarks/compression.py --steps 100 --world-size 4 --out-dir results/
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    parser.add_argument("--out-dir", type=Path, default=None, help="write compression.md and compression.png here")
     args = parser.parse_args()
     header = "| option | bytes sent / rank / step | compression | step (s) | comm busy (s) | train loss | val loss |"
     rows = [header, "|---|---|---|---|---|---|---|"]
@@ -75,7 +75,9 @@ def main() -> None:
                 f" | {result['comm_time_s']:.4f} | {result['train_loss']:.3f} | {result['val_loss']:.3f} |"
             )
             print(rows[-1], flush=True)
-    publish(f"default model and data, {args.world_size} CPU ranks (gloo), {args.steps} steps", rows, args.out)
+    title = f"default model and data, {args.world_size} CPU ranks (gloo), {args.steps} steps"
+    sent = {name: result["bytes"] / 2**20 for name, result in results.items()}
+    publish(title, rows, args.out_dir, "compression", bars=(sent, "gradient MiB sent / rank / step"), log_scale=True)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,11 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    parser.add_argument("--out-dir", type=Path, default=None, help="write memory_by_strategy.md and .png here")
     args = parser.parse_args()
     rows = ["| strategy | world | model state / rank (MiB) | predicted (MiB) | ratio to DDP | x (DDP / N) | step (s) |"]
     rows.append("|---|---|---|---|---|---|---|")
+    measured_mib = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.world_sizes:
             results = {name: run(name, world, args.precision, args.steps, Path(tmp)) for name in STRATEGIES}
@@ -68,7 +69,9 @@ def main() -> None:
                     f" | {measured / (ddp / world):.3f} | {summary['step_time_s']:.3f} |"
                 )
                 print(rows[-1], flush=True)
-    publish(f"precision={args.precision}, model=gpt_tiny, data=synthetic, {args.steps} steps", rows, args.out)
+                measured_mib[f"{name} x{world}"] = measured / 2**20
+    title = f"precision={args.precision}, model=gpt_tiny, data=synthetic, {args.steps} steps"
+    publish(title, rows, args.out_dir, "memory_by_strategy", bars=(measured_mib, "model state MiB / rank"))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Runs `train.py` with ``parallelism=pipeline`` on 2 CPU ranks for each setting, o
 invocation, and prints a markdown table (means over the logged windows after the first).
 
     python benchmarks/pipeline_bubble.py
-    python benchmarks/pipeline_bubble.py --steps 30 --out results/pipeline_bubble.md
+    python benchmarks/pipeline_bubble.py --steps 30 --out-dir results/
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def run(schedule: str, microbatches: int, steps: int, run_dir: Path) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    parser.add_argument("--out-dir", type=Path, default=None, help="write pipeline_bubble.md and .png here")
     args = parser.parse_args()
+    measured = {}
     rows = [
         "| schedule | micro-batches | theory | measured (mean) | stage 0 | stage 1 | step (s) |",
         "|---|---|---|---|---|---|---|",
@@ -67,11 +68,9 @@ def main() -> None:
                 f" | {r['pipeline_bubble_rank0']:.3f} | {r['pipeline_bubble_rank1']:.3f} | {r['step_time_s']:.3f} |"
             )
             print(rows[-1], flush=True)
-    publish(
-        f"2 CPU ranks (gloo), 4 blocks of width 256, 16 sequences of 128 tokens per step, {args.steps} steps",
-        rows,
-        args.out,
-    )
+            measured[f"{schedule} m={microbatches}"] = r["pipeline_bubble"]
+    title = f"2 CPU ranks (gloo), 4 blocks of width 256, 16 sequences of 128 tokens per step, {args.steps} steps"
+    publish(title, rows, args.out_dir, "pipeline_bubble", bars=(measured, "measured bubble (mean over stages)"))
 
 
 if __name__ == "__main__":
