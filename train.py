@@ -52,6 +52,7 @@ from distrain.monitor.timing import Clock
 from distrain.monitor.window import LogWindow
 from distrain.parallelism.base import Strategy, StrategyContext
 from distrain.parallelism.memory import optimizer_state_bytes_per_param, predicted_model_state_bytes
+from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.preemption import REQUEUE_EXIT_CODE, StopRequest
 from distrain.seeding import seed_everything
 from distrain.validate import ConfigError, validate
@@ -85,6 +86,8 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     seed_everything(settings.seed)
     model = instantiate(cfg.model)
     model_parameters = sum(p.numel() for p in model.parameters())
+    # Before any strategy wraps the model: it changes no names, and recomputation then runs inside TP and FSDP.
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
     strategy = instantiate(cfg.parallelism)
     precision = instantiate(cfg.precision)
     strategy.setup(

@@ -383,6 +383,8 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     profile: bool = False  # torch.profiler trace of monitor.profile_steps steps into <run dir>/profile/
     stage: int | None = None  # ZeRO/FSDP sharding stage, written top-level: `parallelism=zero stage=3`
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every n-th block)
+    activation_checkpointing_every: int = 2  # n for selective: blocks 0, n, 2n, ... recompute their activations
 
 
 # Schemas live in ``schema/<group>`` (not offered as options); each option's YAML extends one with

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
+from distrain.parallelism.recompute import MODES as AC_MODES
 from distrain.precision.policy import autocast_supported
 
 # Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
@@ -170,6 +171,8 @@ def validate(cfg: DictConfig) -> LaunchPlan:
             "checkpoints reshard, zero ones do not)",
         )
 
+    _check(cfg, "activation_checkpointing", _one_of(*AC_MODES), f"one of {', '.join(AC_MODES)}")
+    _check(cfg, "activation_checkpointing_every", _at_least(1), "an integer >= 1 (every n-th block)")
     _validate_comm(cfg, world_size)
     _validate_sharding(cfg, device_type)
     if cfg.parallelism.name == "pipeline":

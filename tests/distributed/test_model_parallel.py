@@ -70,7 +70,6 @@ HYBRID = {  # 4 ranks; (overrides, data-parallel degree)
         2,
     ),
     "dp2_tp2_replicate": (["parallelism=hybrid", "parallelism.tp=2", "parallelism.dp_mode=replicate"], 2),
-    "dp2_pp2_replicate": (["parallelism=hybrid", "parallelism.pp=2", "parallelism.dp_mode=replicate"], 2),
     "tp2_pp2": (["parallelism=hybrid", "parallelism.tp=2", "parallelism.pp=2", "parallelism.schedule=gpipe"], 1),
 }
 

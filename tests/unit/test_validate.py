@@ -50,6 +50,8 @@ BAD_INPUTS = [
     ("parallelism=hybrid parallelism.dp=2 parallelism.tp=2", "parallelism.dp", "product is the world size 2"),
     ("parallelism=hybrid parallelism.tp=3", "parallelism.tp", "dp x tp x pp = world size / (tp x pp) x 3 x 1"),
     ("parallelism=hybrid precision=fp16", "precision", "fp32 or bf16 with parallelism=hybrid"),
+    ("activation_checkpointing=some", "activation_checkpointing", "one of none, full, selective"),
+    ("activation_checkpointing=selective activation_checkpointing_every=0", "activation_checkpointing_every", ">= 1"),
     ("comm=hierarchical comm.ranks_per_node=3", "comm.ranks_per_node", "divisor of the world size (2)"),
 ]
 
