@@ -4,7 +4,7 @@ The mesh is built once from the degrees, ``pp x dp x tp == world size``, with ``
 ranks of a tensor-parallel group are neighbours, on one node when degrees allow: the axis with the most traffic)
 and ``pp`` the slowest. In each pipeline stage (the whole model when ``pp == 1``):
 
-1. every block is split over the ``tp`` axis (``distrain.parallelism.tensor.parallelize_blocks``);
+1. every block is split over the ``tp`` axis (``distrain.parallelism.tensor.parallelize_model``);
 2. then the blocks and the rest are sharded over the ``dp`` axis with FSDP2
    (``distrain.parallelism.fsdp.shard_blocks_and_root``): parameters become 2-D DTensors (dp-sharded, tp-split);
 3. with ``pp > 1`` the stages join a ``torch.distributed.pipelining`` schedule over the ``pp`` axis.
@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from distrain.parallelism.base import StrategyContext
 from distrain.parallelism.fsdp import shard_blocks_and_root
 from distrain.parallelism.pipeline import PipelineStrategy, StageModule
-from distrain.parallelism.tensor import TensorParallelStrategy, parallelize_blocks, parallelize_model
+from distrain.parallelism.tensor import TensorParallelStrategy, parallelize_model
 
 AXES = ("pp", "dp", "tp")
 
@@ -69,15 +69,14 @@ def compose(
     degrees: MeshDegrees,
     ctx: StrategyContext,
     stage: int,
-    tensor_options: dict[str, bool] | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> nn.Module:
     """Tensor parallelism on ``tp``, then FSDP on ``dp`` (sharded, or replicated when the mesh has a ``dp_shard``
-    axis), in place; axes of degree 1 are skipped.
-    ``tensor_options`` (sequence_parallel, loss_parallel) apply to a whole model; a pipeline stage passes None."""
-    if degrees.tp > 1 and tensor_options is not None:
-        parallelize_model(module, mesh["tp"], **tensor_options)
-    elif degrees.tp > 1:
-        parallelize_blocks(module, mesh["tp"])
+    axis), in place; axes of degree 1 are skipped. The tensor options need a whole model (validation refuses them
+    for pipeline stages)."""
+    if degrees.tp > 1:
+        parallelize_model(module, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if degrees.dp > 1 and "dp_shard" in (mesh.mesh_dim_names or ()):
         shard_blocks_and_root(module, mesh["dp", "dp_shard"], ctx.precision, stage=2)
     elif degrees.dp > 1:
@@ -85,12 +84,43 @@ def compose(
     return module
 
 
-class HybridStrategy:
-    """Chooses the implementation for the degrees at setup: a pipeline of composed stages when ``pp > 1``, else
-    one composed model driven like the other local-backward strategies.
+@dataclass(frozen=True)
+class HybridLayout:
+    """The configured degrees (``dp=-1``: the rest of the world size) and how the dp axis holds the model."""
+
+    dp: int
+    tp: int
+    pp: int
+    dp_mode: str
+    fsdp_stage: int
+
+    def build(self, world_size: int, device_type: str) -> tuple[DeviceMesh, MeshDegrees]:
+        """The degrees for ``world_size`` ranks and their mesh (collective)."""
+        degrees = MeshDegrees.resolve(dp=self.dp, tp=self.tp, pp=self.pp, world_size=world_size)
+        return build_mesh(degrees, device_type, self.dp_mode), degrees
+
+
+def HybridStrategy(  # noqa: N802 - the config's target, named like the other strategies
+    *,
+    name: str = "hybrid",
+    dp: int,
+    tp: int,
+    pp: int,
+    stage: int,
+    dp_mode: str,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    schedule: str,
+    microbatches: int,
+    virtual_stages: int,
+    split_points: list[int],
+    activation_checkpointing: list[int],
+) -> PipelineStrategy | TensorParallelStrategy:
+    """A pipeline of composed stages when ``pp > 1``, else one composed model driven like the other local-backward
+    strategies; the mesh is built at setup, when the world size is known.
 
     Args:
-        dp: data-parallel degree (FSDP2 over it); -1: world size / (tp x pp).
+        dp: data-parallel degree; -1: world size / (tp x pp).
         tp: tensor-parallel degree (heads and MLP units split).
         pp: pipeline-parallel degree (stages).
         stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees them.
@@ -102,74 +132,35 @@ class HybridStrategy:
         schedule, microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's, as in
             ``parallelism=pipeline``.
     """
-
-    def __init__(
-        self,
-        *,
-        name: str = "hybrid",
-        dp: int,
-        tp: int,
-        pp: int,
-        stage: int,
-        dp_mode: str,
-        sequence_parallel: bool,
-        loss_parallel: bool,
-        schedule: str,
-        microbatches: int,
-        virtual_stages: int,
-        split_points: list[int],
-        activation_checkpointing: list[int],
-    ) -> None:
-        self.name = name
-        self.sizes = {"dp": dp, "tp": tp, "pp": pp}
-        self.fsdp_stage, self.dp_mode = stage, dp_mode
-        self.tensor_options = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
-        self.pipeline = {
-            "schedule": schedule,
-            "microbatches": microbatches,
-            "virtual_stages": virtual_stages,
-            "split_points": split_points,
-            "activation_checkpointing": activation_checkpointing,
-        }
-        self._impl: Any = None
-
-    def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
-        degrees = MeshDegrees.resolve(**self.sizes, world_size=ctx.env.world_size)
-        mesh = build_mesh(degrees, ctx.env.device.type, self.dp_mode)
-        if degrees.pp > 1:
-            self._impl = _ComposedPipeline(mesh, degrees, self.fsdp_stage, name=self.name, **self.pipeline)
-        else:
-            self._impl = _ComposedModel(mesh, degrees, self.fsdp_stage, name=self.name, **self.tensor_options)
-        self._impl.setup(model, ctx)
-
-    def __getattr__(self, attribute: str) -> Any:
-        # Everything else of the Strategy interface (train_step, eval_loss, checkpoints, ...) is the chosen one's.
-        impl = self.__dict__.get("_impl")
-        if impl is None:
-            raise AttributeError(attribute)
-        return getattr(impl, attribute)
-
-    @property
-    def updating(self) -> bool:
-        return bool(self._impl and self._impl.updating)
-
-    @property
-    def data_parallel(self) -> tuple[int, int]:
-        return self._impl.data_parallel
+    layout = HybridLayout(dp=dp, tp=tp, pp=pp, dp_mode=dp_mode, fsdp_stage=stage)
+    if pp > 1:
+        return _ComposedPipeline(
+            layout,
+            name=name,
+            schedule=schedule,
+            microbatches=microbatches,
+            virtual_stages=virtual_stages,
+            split_points=split_points,
+            activation_checkpointing=activation_checkpointing,
+        )
+    return _ComposedModel(layout, name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
 class _ComposedModel(TensorParallelStrategy):
-    """pp == 1: the whole model, tensor-parallel on ``tp`` and FSDP-sharded on ``dp``."""
+    """pp == 1: the whole model, tensor-parallel on ``tp`` and FSDP-sharded (or replicated) on ``dp``."""
 
-    def __init__(
-        self, mesh: DeviceMesh, degrees: MeshDegrees, fsdp_stage: int, *, name: str, **tensor_options: bool
-    ) -> None:
-        super().__init__(name=name, **tensor_options)
-        self.mesh, self.degrees, self.fsdp_stage = mesh, degrees, fsdp_stage
+    def __init__(self, layout: HybridLayout, *, name: str, sequence_parallel: bool, loss_parallel: bool) -> None:
+        super().__init__(name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        self.layout = layout
+
+    def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
+        self.mesh, self.degrees = self.layout.build(ctx.env.world_size, ctx.env.device.type)
+        super().setup(model, ctx)
 
     def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
-        options = {"sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel}
-        return compose(model, self.mesh, self.degrees, ctx, self.fsdp_stage, options)
+        return compose(
+            model, self.mesh, self.degrees, ctx, self.layout.fsdp_stage, self.sequence_parallel, self.loss_parallel
+        )
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
         if self.degrees.dp > 1:
@@ -182,17 +173,22 @@ class _ComposedModel(TensorParallelStrategy):
 
 
 class _ComposedPipeline(PipelineStrategy):
-    """pp > 1: pipeline stages over ``pp``, each tensor-parallel on ``tp`` and FSDP-sharded on ``dp``."""
+    """pp > 1: pipeline stages over ``pp``, each tensor-parallel on ``tp`` and FSDP-sharded (or replicated) on
+    ``dp``."""
 
-    def __init__(self, mesh: DeviceMesh, degrees: MeshDegrees, fsdp_stage: int, **pipeline: Any) -> None:
+    def __init__(self, layout: HybridLayout, **pipeline: Any) -> None:
         super().__init__(**pipeline)
-        self.mesh, self.degrees, self.fsdp_stage = mesh, degrees, fsdp_stage
+        self.layout = layout
+
+    def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
+        self.mesh, self.degrees = self.layout.build(ctx.env.world_size, ctx.env.device.type)
+        super().setup(model, ctx)
 
     def pipeline_ranks(self, ctx: Any) -> tuple[int, int, dist.ProcessGroup | None]:
         return self.mesh["pp"].get_local_rank(), self.degrees.pp, self.mesh["pp"].get_group()
 
     def parallelize_stage(self, module: StageModule) -> StageModule:
-        return compose(module, self.mesh, self.degrees, self.ctx, self.fsdp_stage)
+        return compose(module, self.mesh, self.degrees, self.ctx, self.layout.fsdp_stage)
 
     @property
     def data_parallel(self) -> tuple[int, int]:

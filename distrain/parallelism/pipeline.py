@@ -23,7 +23,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state, get_model_state_dict, set_model_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.utils.checkpoint import checkpoint
 
 from distrain.data.sampler import Batch
 from distrain.parallelism.base import (
@@ -35,6 +34,7 @@ from distrain.parallelism.base import (
     token_loss_sum,
 )
 from distrain.parallelism.memory import measure_torch_model_state
+from distrain.parallelism.recompute import apply_activation_checkpointing
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -62,11 +62,9 @@ class StageModule(nn.Module):
     embeddings if it is the first stage, its blocks, the head if it is the last. Parameter names match the full
     model's, so checkpoints name every tensor as the unsplit model does."""
 
-    def __init__(
-        self, model: nn.Module, block_ids: Sequence[str], first: bool, last: bool, recompute: bool = False
-    ) -> None:
+    def __init__(self, model: nn.Module, block_ids: Sequence[str], first: bool, last: bool) -> None:
         super().__init__()
-        self.first, self.last, self.recompute = first, last, recompute
+        self.first, self.last = first, last
         if first:
             self.tok_emb, self.pos_emb = model.tok_emb, getattr(model, "pos_emb", None)
         self.blocks = nn.ModuleDict({i: model.blocks[i] for i in block_ids})
@@ -80,8 +78,7 @@ class StageModule(nn.Module):
             if self.pos_emb is not None:
                 x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks.values():
-            # Activation checkpointing: keep only each block's input; backward reruns its forward.
-            x = checkpoint(block, x, use_reentrant=False) if self.recompute and self.training else block(x)
+            x = block(x)
         return self.head(self.norm(x)) if self.last else x
 
 
@@ -146,18 +143,12 @@ class PipelineStrategy(LocalBackwardStrategy):
             bounds = balanced_split(sizes, num_stages, first, last)
         # Stage s lives on rank s % ranks: rank r holds stages r, r + ranks, ... (the interleaved layout).
         self.stage_indices = list(range(rank, num_stages, ranks))
-        self.stage_modules = [
-            self.parallelize_stage(
-                StageModule(
-                    model,
-                    block_ids[bounds[s] : bounds[s + 1]],
-                    first=s == 0,
-                    last=s == num_stages - 1,
-                    recompute=s in self.recompute_stages,
-                ).to(self.device)
-            )
-            for s in self.stage_indices
-        ]
+        self.stage_modules = []
+        for s in self.stage_indices:
+            stage = StageModule(model, block_ids[bounds[s] : bounds[s + 1]], first=s == 0, last=s == num_stages - 1)
+            if s in self.recompute_stages:
+                apply_activation_checkpointing(stage, "full")
+            self.stage_modules.append(self.parallelize_stage(stage.to(self.device)))
         self.model = RankModules(self.stage_modules)
         self.is_last = num_stages - 1 in self.stage_indices
         self.last_stage_rank = (num_stages - 1) % ranks  # within the pipeline group

@@ -46,7 +46,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
     chosen = [names[i] for i in chosen_blocks(len(names), mode, every)]
     for name in chosen:
         block = model.blocks[name]
-        block.forward = functools.partial(_recomputed, block.forward)
+        if not getattr(block, "recomputes", False):  # applied once, however often asked (e.g. globally and per stage)
+            block.forward = functools.partial(_recomputed, block.forward)
+            block.recomputes = True
     return chosen
 
 

@@ -63,18 +63,11 @@ def block_plan(sequence_parallel: bool) -> dict[str, object]:
     return plan
 
 
-def parallelize_blocks(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Split every one of ``model.blocks`` over the 1-D ``mesh`` (in place); other parameters stay plain tensors,
-    replicated. ``model`` may be a pipeline stage."""
-    for block in model.blocks.values():
-        parallelize_module(block, mesh, block_plan(sequence_parallel=False))
-    return model
-
-
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
-    """Split the whole model over the 1-D ``mesh`` (in place): every block, and with either option the head
-    (column-parallel over the vocabulary). With ``sequence_parallel`` the first block splits its input along the
-    sequence (a local slice, no communication) and the final norm runs on sequence shards."""
+    """Split ``model`` over the 1-D ``mesh`` (in place): every one of ``model.blocks``, and with either option the
+    head (column-parallel over the vocabulary). With ``sequence_parallel`` the first block splits its input along
+    the sequence (a local slice, no communication) and the final norm runs on sequence shards. Without options
+    ``model`` may be a pipeline stage; other parameters stay plain tensors, replicated."""
     for block in model.blocks.values():
         parallelize_module(block, mesh, block_plan(sequence_parallel))
     if sequence_parallel:
