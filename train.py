@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from distrain import dry_run
 from distrain.agreement import StepAgreement
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.config import TrainerConfig, register_configs
@@ -51,6 +52,7 @@ from distrain.monitor.profiler import StepProfiler
 from distrain.monitor.timing import Clock
 from distrain.monitor.window import LogWindow
 from distrain.parallelism.base import Strategy, StrategyContext
+from distrain.parallelism.compile import apply_compile, compile_report
 from distrain.parallelism.memory import optimizer_state_bytes_per_param, predicted_model_state_bytes
 from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.preemption import REQUEUE_EXIT_CODE, StopRequest
@@ -89,6 +91,15 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     # Before any strategy wraps the model: it changes no names, and recomputation then runs inside TP and FSDP.
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
     strategy = instantiate(cfg.parallelism)
+    if cfg.compile and strategy.compile_unsupported:
+        if env.is_main:
+            log.warning(
+                "compile=true ignored with parallelism=%s, running eagerly: %s",
+                strategy.name,
+                strategy.compile_unsupported,
+            )
+    elif cfg.compile:  # compiles lazily at the first forward, inside whatever the strategy wraps around it
+        apply_compile(model, cfg.compile_scope, cfg.compile_backend)
     precision = instantiate(cfg.precision)
     strategy.setup(
         model,
@@ -209,7 +220,10 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
             "precision": cfg.precision.name,
             "model_parameters": run.model_parameters,
             "global_batch_size": run.data.sampler.global_batch_size,
-            "predicted_model_state_bytes": predicted_model_state_bytes(
+            # The ZeRO formulas cover data-parallel layouts; model-parallel ones are planned by dry_run=true.
+            "predicted_model_state_bytes": None
+            if run.strategy.name not in ("single", "ddp", "zero", "fsdp")
+            else predicted_model_state_bytes(
                 strategy=run.strategy.name,
                 stage=cfg.parallelism.get("stage"),
                 num_params=run.model_parameters,
@@ -221,6 +235,10 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
                 master_copy=run.strategy.name == "zero",
             ),
         }
+        if cfg.compile and not run.strategy.compile_unsupported:
+            report = compile_report()
+            summary["compile"] = report.as_dict()
+            (log.warning if report.graph_breaks else log.info)(report.describe())
         nodes = [None] * env.world_size
         dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         summary["nodes"] = sorted(set(nodes))
@@ -241,14 +259,30 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    """Validate, then run ``build_and_train`` on every rank; returns the final validation loss (for sweepers)."""
+    """Validate, then run ``build_and_train`` on every rank; returns the final validation loss (for sweepers).
+
+    With ``dry_run=true``: validate for ``target`` and print each rank's predicted memory there, in this process;
+    exit 0 when every rank fits its device, 1 when one does not, 2 for an invalid config.
+    """
+    hydra_cfg = HydraConfig.get()
+    if cfg.dry_run:
+        try:
+            report = dry_run.plan(cfg)
+        except ConfigError as err:
+            print(f"distrain: invalid config: {err}", file=sys.stderr)
+            sys.exit(2)
+        print(report.describe())
+        dry_run.write_report(report, hydra_cfg.runtime.output_dir)
+        if not report.fits:  # a non-zero exit keeps `train.py dry_run=true ... && sbatch ...` from submitting
+            print(f"distrain: dry run: {report.shortfall()}", file=sys.stderr)
+            sys.exit(1)
+        return None
     adopt_slurm_tasks()  # a multi-task SLURM job: this task is one rank
     try:
         plan = validate(cfg)
     except ConfigError as err:
         print(f"distrain: invalid config: {err}", file=sys.stderr)
         sys.exit(2)
-    hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["distributed"]["device"] = plan.device_type

@@ -7,26 +7,20 @@
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from common import publish
+from common import one_process_gpt_parser, publish
 
 from distrain.models.gpt import GPT
 from distrain.parallelism.recompute import apply_activation_checkpointing, saved_activation_bytes
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
+    parser = one_process_gpt_parser(__doc__)
     parser.add_argument("--out-dir", type=Path, default=None, help="write activation_checkpointing.md and .png here")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

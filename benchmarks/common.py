@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -55,3 +56,14 @@ def publish(
         figure.tight_layout()
         figure.savefig(out_dir / f"{name}.png", dpi=100)
         print(f"wrote {out_dir / name}.md and .png")
+
+
+def one_process_gpt_parser(doc: str | None) -> argparse.ArgumentParser:
+    """Arguments of the one-process GPT benchmarks: its shape, the batch and the number of timed steps."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    return parser

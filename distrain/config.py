@@ -368,6 +368,16 @@ class DistributedConfig:
 
 
 @dataclass(kw_only=True)
+class DryRunTarget:
+    """The job ``dry_run=true`` plans for: ``nodes x ranks_per_node`` ranks, each with ``device_memory_gib``."""
+
+    nodes: int = 1
+    ranks_per_node: int | None = None  # None: distributed.nproc_per_node, else visible GPUs, else 8 (cuda) / 2 (cpu)
+    device: str | None = None  # cuda | cpu; None: distributed.device as resolved on this machine
+    device_memory_gib: float | None = None  # None: this machine's GPU, else 80 (cuda) or RAM / ranks per node (cpu)
+
+
+@dataclass(kw_only=True)
 class Config:
     model: Any = MISSING
     data: Any = MISSING
@@ -385,6 +395,11 @@ class Config:
     stage: int | None = None  # ZeRO/FSDP sharding stage, written top-level: `parallelism=zero stage=3`
     activation_checkpointing: str = "none"  # none | full (every block) | selective (every n-th block)
     activation_checkpointing_every: int = 2  # n for selective: blocks 0, n, 2n, ... recompute their activations
+    compile: bool = False  # torch.compile (ddp, fsdp, tensor, hybrid without pp, single; others warn and run eager)
+    compile_scope: str = "blocks"  # blocks: each transformer block | model: the whole model as one graph
+    compile_backend: str = "inductor"  # any torch.compile backend; aot_eager traces without generating kernels
+    dry_run: bool = False  # validate for target.*, print predicted per-rank memory, exit without training
+    target: DryRunTarget = field(default_factory=lambda: DryRunTarget())
 
 
 # Schemas live in ``schema/<group>`` (not offered as options); each option's YAML extends one with

@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
+from distrain.parallelism.compile import SCOPES as COMPILE_SCOPES
+from distrain.parallelism.compile import backend_problem
 from distrain.parallelism.recompute import MODES as AC_MODES
 from distrain.precision.policy import autocast_supported
 
@@ -32,6 +34,25 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
         super().__init__(f"{key}={value!r} is not allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The job a dry run validates for instead of this machine: ``nodes x ranks_per_node`` ranks of ``device_type``.
+
+    ``ranks_key`` is the config key the ranks per node came from (``target.ranks_per_node`` or
+    ``distributed.nproc_per_node``), so errors about it name what the user wrote.
+    """
+
+    nodes: int
+    ranks_per_node: int
+    device_type: str
+    device_memory_bytes: int
+    ranks_key: str = "target.ranks_per_node"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -60,8 +81,13 @@ def _one_of(*options: Any) -> Callable[[Any], bool]:
     return lambda value: value in options
 
 
-def validate(cfg: DictConfig) -> LaunchPlan:
-    """Raise ``ConfigError`` for the first invalid value; return the resolved launch plan."""
+def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
+    """Raise ``ConfigError`` for the first invalid value; return the resolved launch plan.
+
+    With ``target`` (a dry run) the world size, ranks per node and device type are the target's, and the checks
+    that are about this machine (a GPU visible here, how many, autocast probed on it) are skipped; every other
+    check is the one the real launch runs.
+    """
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except Exception as err:  # interpolation or missing-value errors carry the key in their message
@@ -69,8 +95,8 @@ def validate(cfg: DictConfig) -> LaunchPlan:
         raise ConfigError(key, "?", str(err).splitlines()[0]) from None
 
     _check(cfg, "distributed.device", _one_of("auto", "cpu", "cuda"), "one of auto, cpu, cuda")
-    device_type = resolve_device_type(cfg.distributed.device)
-    if device_type == "cuda" and not torch.cuda.is_available():
+    device_type = target.device_type if target else resolve_device_type(cfg.distributed.device)
+    if device_type == "cuda" and not target and not torch.cuda.is_available():
         raise ConfigError("distributed.device", "cuda", "no CUDA device is visible here; use auto or cpu")
     _check(cfg, "distributed.backend", _one_of(None, "gloo", "nccl"), "one of gloo, nccl, or null (automatic)")
     if cfg.distributed.backend == "nccl" and device_type != "cuda":
@@ -86,7 +112,12 @@ def validate(cfg: DictConfig) -> LaunchPlan:
     _check(cfg, "distributed.threads_per_rank", lambda v: v is None or v >= 1, "an integer >= 1 (or null)")
 
     nproc = cfg.distributed.nproc_per_node
-    if cfg.parallelism.name == "single":
+    if target:
+        nproc = target.ranks_per_node
+        if cfg.parallelism.name == "single" and target.world_size > 1:
+            key, value = ("target.nodes", target.nodes) if target.nodes > 1 else (target.ranks_key, nproc)
+            raise ConfigError(key, value, "parallelism=single runs one rank; use parallelism=ddp for more")
+    elif cfg.parallelism.name == "single":
         if nproc not in (None, 1) or (inside_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1):
             raise ConfigError(
                 "distributed.nproc_per_node",
@@ -96,7 +127,7 @@ def validate(cfg: DictConfig) -> LaunchPlan:
         nproc = 1
     elif nproc is None:
         nproc = default_nproc_per_node(device_type)
-    if device_type == "cuda" and nproc > torch.cuda.device_count():
+    if device_type == "cuda" and not target and nproc > torch.cuda.device_count():
         raise ConfigError("distributed.nproc_per_node", nproc, f"at most the {torch.cuda.device_count()} visible GPUs")
 
     for key in ("trainer.max_steps", "trainer.grad_accum_steps", "trainer.log_every", "trainer.eval_batches"):
@@ -147,7 +178,9 @@ def validate(cfg: DictConfig) -> LaunchPlan:
         _one_of("float32", "bfloat16", "float16"),
         "one of float32, bfloat16, float16",
     )
-    supported, reason = autocast_supported(device_type, cfg.precision.compute_dtype)
+    # A cuda target without a GPU here is assumed to be a current GPU (bf16 and fp16 autocast).
+    probe_here = not target or device_type == "cpu" or torch.cuda.is_available()
+    supported, reason = autocast_supported(device_type, cfg.precision.compute_dtype) if probe_here else (True, "")
     if not supported:
         raise ConfigError("precision", cfg.precision.name, f"not available on {device_type}: {reason}")
 
@@ -161,7 +194,10 @@ def validate(cfg: DictConfig) -> LaunchPlan:
     _check(cfg, "checkpoint.emergency_timeout_s", _positive, "a number of seconds > 0")
     if cfg.checkpoint.async_save and cfg.parallelism.name == "zero":
         raise ConfigError("checkpoint.async_save", True, "false with parallelism=zero (DeepSpeed saves synchronously)")
-    world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else nproc
+    if target:
+        world_size = target.world_size
+    else:
+        world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else nproc
     saved_world_size = None if resume in ("never", "auto") else checkpoint_world_size(Path(resume))
     if cfg.parallelism.name == "zero" and saved_world_size not in (None, world_size):
         raise ConfigError(
@@ -173,6 +209,11 @@ def validate(cfg: DictConfig) -> LaunchPlan:
 
     _check(cfg, "activation_checkpointing", _one_of(*AC_MODES), f"one of {', '.join(AC_MODES)}")
     _check(cfg, "activation_checkpointing_every", _at_least(1), "an integer >= 1 (every n-th block)")
+    _check(cfg, "compile_scope", _one_of(*COMPILE_SCOPES), f"one of {', '.join(COMPILE_SCOPES)}")
+    if cfg.compile:
+        problem = backend_problem(cfg.compile_backend, device_type)
+        if problem:
+            raise ConfigError("compile_backend", cfg.compile_backend, problem)
     _validate_comm(cfg, world_size)
     _validate_sharding(cfg, device_type)
     if cfg.parallelism.name == "pipeline":

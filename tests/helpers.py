@@ -87,12 +87,16 @@ def train_steps(cfg_dicts: list[dict[str, Any]], steps: int, checkpoint_at: int 
     import train
     from distrain.checkpoint.checkpointer import Checkpointer
     from distrain.loop import TrainState, loop_state, restore_loop_state
+    from distrain.parallelism.compile import compile_report
 
     env = join(None)
     results = []
     try:
         for cfg_dict in cfg_dicts:
             cfg = OmegaConf.create(cfg_dict)
+            if cfg.compile:  # what dynamo compiles for this config alone
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
             run_dir = tempfile.mkdtemp() if env.rank == 0 else ""
             shared = [run_dir]
             torch.distributed.broadcast_object_list(shared)
@@ -104,6 +108,8 @@ def train_steps(cfg_dicts: list[dict[str, Any]], steps: int, checkpoint_at: int 
                 if step == checkpoint_at:
                     saved = run.checkpointer.save(step, run.strategy, loop_state(state, run.data))
             result = {"losses": losses, "memory": run.strategy.model_state_bytes().as_dict()}
+            if cfg.compile:
+                result["compile"] = compile_report().as_dict()
             del run
             if saved is not None:
                 resumed, state = train.build(cfg, env, run_dir=shared[0]), TrainState()

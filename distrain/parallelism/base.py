@@ -79,6 +79,7 @@ class Strategy(Protocol):
 
     name: str
     updating: bool  # True while parameters or optimizer state are being changed: a failure then is unrecoverable
+    compile_unsupported: str | None  # why compile=true runs this strategy eagerly; None: it compiles
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         """Place, wrap or shard ``model`` and build its optimizer and scheduler."""
@@ -160,6 +161,7 @@ class LocalBackwardStrategy:
 
     name = "local"
     updating = False
+    compile_unsupported: str | None = None
 
     def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
         return model

@@ -29,6 +29,7 @@ from distrain.parallelism.base import StrategyContext
 from distrain.parallelism.fsdp import shard_blocks_and_root
 from distrain.parallelism.pipeline import PipelineStrategy, StageModule
 from distrain.parallelism.tensor import TensorParallelStrategy, parallelize_model
+from distrain.precision.policy import PrecisionPolicy
 
 AXES = ("pp", "dp", "tp")
 
@@ -67,7 +68,7 @@ def compose(
     module: nn.Module,
     mesh: DeviceMesh,
     degrees: MeshDegrees,
-    ctx: StrategyContext,
+    precision: PrecisionPolicy,
     stage: int,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
@@ -78,9 +79,9 @@ def compose(
     if degrees.tp > 1:
         parallelize_model(module, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if degrees.dp > 1 and "dp_shard" in (mesh.mesh_dim_names or ()):
-        shard_blocks_and_root(module, mesh["dp", "dp_shard"], ctx.precision, stage=2)
+        shard_blocks_and_root(module, mesh["dp", "dp_shard"], precision, stage=2)
     elif degrees.dp > 1:
-        shard_blocks_and_root(module, mesh["dp"], ctx.precision, stage=stage)
+        shard_blocks_and_root(module, mesh["dp"], precision, stage=stage)
     return module
 
 
@@ -159,7 +160,13 @@ class _ComposedModel(TensorParallelStrategy):
 
     def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
         return compose(
-            model, self.mesh, self.degrees, ctx, self.layout.fsdp_stage, self.sequence_parallel, self.loss_parallel
+            model,
+            self.mesh,
+            self.degrees,
+            ctx.precision,
+            self.layout.fsdp_stage,
+            self.sequence_parallel,
+            self.loss_parallel,
         )
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
@@ -188,7 +195,7 @@ class _ComposedPipeline(PipelineStrategy):
         return self.mesh["pp"].get_local_rank(), self.degrees.pp, self.mesh["pp"].get_group()
 
     def parallelize_stage(self, module: StageModule) -> StageModule:
-        return compose(module, self.mesh, self.degrees, self.ctx, self.layout.fsdp_stage)
+        return compose(module, self.mesh, self.degrees, self.ctx.precision, self.layout.fsdp_stage)
 
     @property
     def data_parallel(self) -> tuple[int, int]:

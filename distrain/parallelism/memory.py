@@ -120,7 +120,7 @@ def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> in
     return 4 if momentum > 0 else 0
 
 
-def predicted_model_state_bytes(
+def predicted_model_state(
     *,
     strategy: str,
     stage: int | None,
@@ -129,25 +129,36 @@ def predicted_model_state_bytes(
     optimizer_bytes: int,
     low_precision: bool,
     master_copy: bool,
-) -> int:
-    """Per-rank model-state bytes predicted by Rajbhandari et al. (2019), generalised over the optimizer.
+) -> ModelStateBytes:
+    """Per-rank parameter, gradient and optimizer-state bytes predicted by Rajbhandari et al. (2019), generalised
+    over the optimizer.
 
     ``low_precision``: 2-byte parameters and gradients (DeepSpeed bf16/fp16), else 4-byte. ``master_copy``: the
     optimizer also keeps a 4-byte fp32 copy of the parameters (DeepSpeed always does, also in fp32; torch-native
     strategies train the fp32 parameters directly). Mixed-precision Adam under DeepSpeed is 2 + 2 + (8 + 4) = 16
     bytes per parameter, fp32 Adam under DDP/FSDP 4 + 4 + 8 = 16, fp32 Adam under DeepSpeed 4 + 4 + 12 = 20.
-    FSDP stages 2 and 3 both shard all three at rest; stage 2 only keeps parameters gathered between forward and
-    backward.
+    DeepSpeed's stage 1 runs stage 2's code and, like it, keeps only its partition of the reduced gradients (the
+    paper's stage 1 keeps them whole; ``benchmarks/memory_by_strategy.py`` measures stage 1 = stage 2). FSDP stages
+    2 and 3 both shard all three at rest; stage 2 only keeps parameters gathered between forward and backward.
     """
     psi, n = num_params, world_size
     param_b, grad_b = (2, 2) if low_precision else (4, 4)
     opt_b = optimizer_bytes + (4 if master_copy else 0)
-    sharded = {
-        ("zero", 1): (param_b + grad_b, opt_b),
-        ("zero", 2): (param_b, grad_b + opt_b),
-        ("zero", 3): (0, param_b + grad_b + opt_b),
-        ("fsdp", 2): (0, param_b + grad_b + opt_b),
-        ("fsdp", 3): (0, param_b + grad_b + opt_b),
+    # (parameters, gradients, optimizer state) as (replicated, partitioned) per-parameter bytes
+    layouts = {
+        ("zero", 1): ((param_b, 0), (0, grad_b), (0, opt_b)),
+        ("zero", 2): ((param_b, 0), (0, grad_b), (0, opt_b)),
+        ("zero", 3): ((0, param_b), (0, grad_b), (0, opt_b)),
+        ("fsdp", 2): ((0, param_b), (0, grad_b), (0, opt_b)),
+        ("fsdp", 3): ((0, param_b), (0, grad_b), (0, opt_b)),
     }
-    replicated, partitioned = sharded.get((strategy, stage), (param_b + grad_b + opt_b, 0))
-    return int(replicated * psi + partitioned * psi / n)
+    replicated = ((param_b, 0), (grad_b, 0), (opt_b, 0))
+    params, grads, optimizer = (
+        int(whole * psi + part * psi / n) for whole, part in layouts.get((strategy, stage), replicated)
+    )
+    return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
+
+
+def predicted_model_state_bytes(**layout: object) -> int:
+    """``predicted_model_state(...).total``: the per-rank model-state bytes of the ZeRO formulas."""
+    return predicted_model_state(**layout).total

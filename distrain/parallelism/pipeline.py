@@ -57,6 +57,30 @@ def balanced_split(block_params: Sequence[int], num_stages: int, first_extra: in
     return bounds
 
 
+def rank_stages(rank: int, ranks: int, num_stages: int) -> list[int]:
+    """Stage s lives on rank s % ranks: rank r holds stages r, r + ranks, ... (the interleaved layout)."""
+    return list(range(rank, num_stages, ranks))
+
+
+def split_stages(
+    model: nn.Module, num_stages: int, split_points: Sequence[int], stage_indices: Sequence[int]
+) -> list[StageModule]:
+    """The ``stage_indices`` of ``model`` split into ``num_stages`` contiguous stages at ``split_points`` (block
+    indices where stages begin), or balanced by parameters when there are none."""
+    block_ids = list(model.blocks.keys())
+    if split_points:
+        bounds = [0, *split_points, len(block_ids)]
+    else:
+        sizes = [sum(p.numel() for p in model.blocks[i].parameters()) for i in block_ids]
+        first = sum(p.numel() for n, p in model.named_parameters() if "emb" in n)
+        last = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("norm", "head")))
+        bounds = balanced_split(sizes, num_stages, first, last)
+    return [
+        StageModule(model, block_ids[bounds[s] : bounds[s + 1]], first=s == 0, last=s == num_stages - 1)
+        for s in stage_indices
+    ]
+
+
 class StageModule(nn.Module):
     """One pipeline stage of a GPT-like model (``tok_emb``, ``pos_emb``, ``blocks``, ``norm``, ``head``): the
     embeddings if it is the first stage, its blocks, the head if it is the last. Parameter names match the full
@@ -113,6 +137,8 @@ class PipelineStrategy(LocalBackwardStrategy):
     busy is the time in this rank's forward and backward chunks, idle the rest of the schedule's time.
     """
 
+    compile_unsupported = "the schedule runs each stage's forward and backward itself (not compiled here)"
+
     def __init__(
         self,
         *,
@@ -133,19 +159,10 @@ class PipelineStrategy(LocalBackwardStrategy):
         rank, ranks, self.pp_group = self.pipeline_ranks(ctx)
         self.pp_rank = rank
         num_stages = ranks * self.virtual_stages
-        block_ids = list(model.blocks.keys())
-        if self.split_points:
-            bounds = [0, *self.split_points, len(block_ids)]
-        else:
-            sizes = [sum(p.numel() for p in model.blocks[i].parameters()) for i in block_ids]
-            first = sum(p.numel() for n, p in model.named_parameters() if "emb" in n)
-            last = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("norm", "head")))
-            bounds = balanced_split(sizes, num_stages, first, last)
-        # Stage s lives on rank s % ranks: rank r holds stages r, r + ranks, ... (the interleaved layout).
-        self.stage_indices = list(range(rank, num_stages, ranks))
+        self.stage_indices = rank_stages(rank, ranks, num_stages)
         self.stage_modules = []
-        for s in self.stage_indices:
-            stage = StageModule(model, block_ids[bounds[s] : bounds[s + 1]], first=s == 0, last=s == num_stages - 1)
+        stages = split_stages(model, num_stages, self.split_points, self.stage_indices)
+        for s, stage in zip(self.stage_indices, stages, strict=True):
             if s in self.recompute_stages:
                 apply_activation_checkpointing(stage, "full")
             self.stage_modules.append(self.parallelize_stage(stage.to(self.device)))

@@ -52,20 +52,37 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
     return chosen
 
 
-def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor) -> int:
-    """Bytes autograd keeps for backward during one forward of ``model`` on ``inputs``, parameters excluded: the
-    activation memory activation checkpointing reduces (a device-independent measure; on CUDA the allocator's peak
-    shows the same)."""
-    parameters = {p.data_ptr() for p in model.parameters()}
-    kept = 0
+def saved_activation_bytes(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    *,
+    loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    backward: bool = True,
+) -> int:
+    """Bytes autograd keeps for backward during one forward of ``model`` on ``inputs`` (and ``loss`` of its output),
+    parameters excluded: the activation memory activation checkpointing reduces. Each kept tensor counts once, with
+    the whole tensor it is a view of; a DTensor counts its local shard. Works on the meta device (shapes only), which
+    is how a dry run estimates activations of models too large for this machine. ``backward``: also run backward
+    (and clear the gradients), as a training step would."""
+    from torch.distributed.tensor import DTensor
+
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    parameters = {id(p) for p in model.parameters()} | {id(local(p)) for p in model.parameters()}
+    kept: dict[int, tuple[torch.Tensor, int]] = {}  # holding the tensor keeps its id unique while counting
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal kept
-        if tensor.data_ptr() not in parameters:
-            kept += tensor.numel() * tensor.element_size()
+        base = tensor._base if tensor._base is not None else tensor
+        if not parameters.intersection((id(tensor), id(base))):
+            shard = local(base)
+            kept[id(base)] = (base, shard.numel() * shard.element_size())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(inputs).float().sum().backward()
-    model.zero_grad(set_to_none=True)
-    return kept
+        out = model(inputs)
+        out = loss(out) if loss is not None else out.float().sum()
+    if backward:
+        out.backward()
+        model.zero_grad(set_to_none=True)
+    return sum(nbytes for _, nbytes in kept.values())

@@ -50,6 +50,10 @@ class ZeroStrategy:
     """
 
     updating = False
+    compile_unsupported = (
+        "DeepSpeed's engine drives the module (ZeRO-3 gathers parameters in its own module hooks); "
+        "use its own compile support instead"
+    )
 
     def __init__(
         self,

@@ -4,6 +4,8 @@ model-state memory close to the ZeRO formulas, sharded checkpoints that resume e
 import pytest
 from helpers import FAST, compose_config, on_ranks, to_plain, train_steps
 
+from distrain.dry_run import plan
+
 pytestmark = pytest.mark.distributed
 
 STEPS = 20
@@ -54,3 +56,15 @@ def test_memory_shrinks_as_the_formulas_say(runs):
         assert total[name] / ddp == pytest.approx(ratio, rel=0.05), (name, total[name], ddp)
     for rank in (0, 1):
         assert runs["fsdp3"][rank]["memory"]["params"] < 0.6 * runs["ddp"][rank]["memory"]["params"]
+
+
+def test_dry_run_predicts_measured_model_state_within_20_percent(runs):
+    """``dry_run=true`` plans these same jobs in one process (fake process group, meta model); its model-state
+    prediction (parameters + gradients + optimizer state) must be within 20% of what each real rank measured."""
+    common = [*FAST, "trainer.grad_accum_steps=2", "data.micro_batch_size=2"]
+    target = ["target.nodes=1", "target.ranks_per_node=2", "target.device=cpu"]
+    for name, overrides in STRATEGIES.items():
+        (predicted,) = plan(compose_config([*common, *overrides, *target])).ranks
+        for rank in (0, 1):
+            measured = runs[name][rank]["memory"]["total"]
+            assert predicted.model_state == pytest.approx(measured, rel=0.2), (name, rank, predicted, measured)

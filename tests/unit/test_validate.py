@@ -1,8 +1,11 @@
 """Invalid values are refused before any rank starts: in-process (the message) and through train.py (the exit)."""
 
 import pytest
+import torch
 from helpers import FAST, compose_config, run_train
+from hydra.utils import instantiate
 
+from distrain.dry_run import plan
 from distrain.precision.policy import autocast_supported
 from distrain.validate import ConfigError, validate
 
@@ -53,6 +56,8 @@ BAD_INPUTS = [
     ("activation_checkpointing=some", "activation_checkpointing", "one of none, full, selective"),
     ("activation_checkpointing=selective activation_checkpointing_every=0", "activation_checkpointing_every", ">= 1"),
     ("comm=hierarchical comm.ranks_per_node=3", "comm.ranks_per_node", "divisor of the world size (2)"),
+    ("compile_scope=layers", "compile_scope", "one of blocks, model"),
+    ("compile=true compile_backend=turbo", "compile_backend", "inductor, openxla, tvm, aot_eager, eager"),
 ]
 
 
@@ -123,3 +128,83 @@ def test_train_py_refuses_composition_errors_without_traceback(tmp_path, overrid
     assert result.returncode != 0
     assert needle in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+# What only this machine decides (no GPU here): a dry run plans for a target, which may have GPUs.
+MACHINE_SPECIFIC = {"distributed.device=cuda", "distributed.backend=nccl"}
+
+
+@pytest.mark.parametrize("override,key,allowed", [b for b in BAD_INPUTS if b[0] not in MACHINE_SPECIFIC])
+def test_dry_run_refuses_it_with_the_same_message(override, key, allowed):
+    cfg = compose_config([*FAST, *override.split(), "dry_run=true"])
+    with pytest.raises(ConfigError) as real:
+        validate(cfg)
+    with pytest.raises(ConfigError) as dry:
+        plan(cfg)
+    assert str(dry.value) == str(real.value)
+
+
+TARGET_64 = ["target.nodes=8", "target.ranks_per_node=8", "target.device=cuda", "model=gpt_small"]
+LAUNCHED_AS_RANK_OF_64 = {"RANK": "0", "WORLD_SIZE": "64", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "localhost"}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "parallelism=hybrid parallelism.tp=3",  # 64 is not divisible by 3
+        "parallelism=hybrid parallelism.dp=4 parallelism.tp=2 parallelism.pp=2",  # 16, not 64
+        "parallelism=tensor",  # 64 tensor-parallel ranks for 6 heads
+        "parallelism=pipeline",  # 64 stages for 6 layers
+        "comm=hierarchical comm.ranks_per_node=5",
+    ],
+)
+def test_dry_run_for_64_ranks_refuses_what_a_64_rank_launch_refuses(monkeypatch, overrides):
+    cfg = compose_config([*FAST[:1], *overrides.split(), *TARGET_64, "distributed.device=cpu"])
+    with pytest.raises(ConfigError) as dry:
+        plan(cfg)
+    for name, value in LAUNCHED_AS_RANK_OF_64.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as real:
+        validate(cfg)
+    assert str(dry.value) == str(real.value)
+
+
+@pytest.mark.parametrize(
+    "override,key,allowed",
+    [
+        ("target.device=tpu", "target.device", "cpu, cuda, or null"),
+        ("target.nodes=0", "target.nodes", ">= 1"),
+        ("target.ranks_per_node=0", "target.ranks_per_node", ">= 1"),
+        ("target.device_memory_gib=-1", "target.device_memory_gib", "> 0"),
+    ],
+)
+def test_dry_run_refuses_a_bad_target(override, key, allowed):
+    with pytest.raises(ConfigError) as err:
+        plan(compose_config([*FAST, "dry_run=true", override]))
+    assert err.value.key == key and allowed in str(err.value) and f"{key}=" in str(err.value)
+
+
+def test_dry_run_of_single_on_many_ranks_names_the_target_key():
+    with pytest.raises(ConfigError) as err:
+        plan(compose_config([*FAST[:1], "parallelism=single", *TARGET_64]))
+    assert err.value.key == "target.nodes" and "parallelism=single runs one rank" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "parallelism=ddp",
+        "parallelism=zero parallelism.stage=3",
+        "parallelism=fsdp",
+        "parallelism=hybrid parallelism.tp=2 parallelism.pp=2",
+        "parallelism=hybrid parallelism.tp=2 parallelism.pp=2 parallelism.schedule=interleaved",
+        "parallelism=hybrid parallelism.tp=2 parallelism.dp_mode=replicate parallelism.sequence_parallel=true",
+    ],
+)
+def test_dry_run_accepts_valid_64_rank_jobs(overrides):
+    cfg = compose_config([*FAST[:1], *overrides.split(), *TARGET_64])
+    report = plan(cfg)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in instantiate(cfg.model).parameters())
+    assert report.target.world_size == 64 and report.model_parameters == parameters and report.fits
+    assert all(0 < row.model_state < report.target.device_memory_bytes for row in report.ranks)
