@@ -37,6 +37,7 @@ from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_
 from distrain.launch import (
     ChildFailedError,
     adopt_slurm_tasks,
+    exit_promptly_after_return,
     in_slurm_job,
     inside_launcher,
     launcher_rank,
@@ -244,6 +245,8 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         summary["nodes"] = sorted(set(nodes))
         run.reporter.finish(summary)
         del run  # release DDP's reducer, which holds the process group, before leaving the group
+        if summary["stopped_by"]:  # the launcher may be shutting ranks down rather than collecting their results
+            exit_promptly_after_return()
         completed = True
         return summary
     except Exception as err:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +28,7 @@ __all__ = [
     "requeue_slurm_job",
     "slurm_restart_count",
     "default_nproc_per_node",
+    "exit_promptly_after_return",
     "inside_launcher",
     "launcher_rank",
     "restarted_attempt",
@@ -77,6 +80,41 @@ def requeue_slurm_job() -> None:
 def default_nproc_per_node(device_type: str) -> int:
     """One rank per visible GPU, else 2 CPU ranks."""
     return torch.cuda.device_count() if device_type == "cuda" else 2
+
+
+# How long a worker that asked to exit promptly waits after returning: the launcher collects return values every
+# ``monitor_interval`` (0.1 s), so one that is still collecting has read this worker's value long before.
+PROMPT_EXIT_GRACE_S = 5.0
+_exit_promptly = False
+
+
+def exit_promptly_after_return() -> None:
+    """In a rank that ``run_ranks`` started (a no-op elsewhere): after the entrypoint returns, exit this process
+    ``PROMPT_EXIT_GRACE_S`` seconds after handing over the return value instead of waiting to be collected.
+
+    For a stop by signal: an elastic worker waits after returning until the launcher has read every rank's value,
+    but a launcher that received the signal itself is shutting its workers down instead, and only SIGKILLs them
+    after its 30 s shutdown timeout (with a warning). A launcher that is still collecting has read the value well
+    within the grace, so exiting then (status 0) loses nothing.
+    """
+    global _exit_promptly
+    _exit_promptly = True
+
+
+def _worker_main(entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """What each worker ``run_ranks`` starts runs: the entrypoint, then, if it asked, a timer that ends the process."""
+    result = entrypoint(*args)
+    if _exit_promptly:
+        timer = threading.Timer(PROMPT_EXIT_GRACE_S, _exit_now)
+        timer.daemon = True
+        timer.start()
+    return result
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
@@ -144,4 +182,4 @@ def run_ranks(
         # SIGUSR1/SIGUSR2 too (SLURM's warnings before a time limit): forwarded to the ranks, which checkpoint.
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
     )
-    return elastic_launch(config, entrypoint)(*args)
+    return elastic_launch(config, _worker_main)(entrypoint, *args)
