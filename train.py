@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import torch.distributed as dist
@@ -37,7 +37,6 @@ from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_
 from distrain.launch import (
     ChildFailedError,
     adopt_slurm_tasks,
-    exit_promptly_after_return,
     in_slurm_job,
     inside_launcher,
     launcher_rank,
@@ -245,8 +244,6 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         summary["nodes"] = sorted(set(nodes))
         run.reporter.finish(summary)
         del run  # release DDP's reducer, which holds the process group, before leaving the group
-        if summary["stopped_by"]:  # the launcher may be shutting ranks down rather than collecting their results
-            exit_promptly_after_return()
         completed = True
         return summary
     except Exception as err:
@@ -272,8 +269,7 @@ def main(cfg: DictConfig) -> float | None:
         try:
             report = dry_run.plan(cfg)
         except ConfigError as err:
-            print(f"distrain: invalid config: {err}", file=sys.stderr)
-            sys.exit(2)
+            refuse(err)
         print(report.describe())
         dry_run.write_report(report, hydra_cfg.runtime.output_dir)
         if not report.fits:  # a non-zero exit keeps `train.py dry_run=true ... && sbatch ...` from submitting
@@ -284,8 +280,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         plan = validate(cfg)
     except ConfigError as err:
-        print(f"distrain: invalid config: {err}", file=sys.stderr)
-        sys.exit(2)
+        refuse(err)
     run_dir = hydra_cfg.runtime.output_dir
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     cfg_dict["distributed"]["device"] = plan.device_type
@@ -309,6 +304,12 @@ def main(cfg: DictConfig) -> float | None:
     if summary and summary["stopped_by"]:
         stopped(summary["stopped_by"], checkpoint_dir, cfg.distributed.max_requeues)
     return summary["final_val_loss"] if summary else None
+
+
+def refuse(err: ConfigError) -> NoReturn:
+    """A config mistake: one line naming the key, the value and what is allowed; exit 2 before any rank starts."""
+    print(f"distrain: invalid config: {err}", file=sys.stderr)
+    sys.exit(2)
 
 
 def run_group(hydra_cfg: DictConfig) -> str | None:

@@ -28,7 +28,6 @@ __all__ = [
     "requeue_slurm_job",
     "slurm_restart_count",
     "default_nproc_per_node",
-    "exit_promptly_after_return",
     "inside_launcher",
     "launcher_rank",
     "restarted_attempt",
@@ -82,32 +81,23 @@ def default_nproc_per_node(device_type: str) -> int:
     return torch.cuda.device_count() if device_type == "cuda" else 2
 
 
-# How long a worker that asked to exit promptly waits after returning: the launcher collects return values every
-# ``monitor_interval`` (0.1 s), so one that is still collecting has read this worker's value long before.
-PROMPT_EXIT_GRACE_S = 5.0
-_exit_promptly = False
-
-
-def exit_promptly_after_return() -> None:
-    """In a rank that ``run_ranks`` started (a no-op elsewhere): after the entrypoint returns, exit this process
-    ``PROMPT_EXIT_GRACE_S`` seconds after handing over the return value instead of waiting to be collected.
-
-    For a stop by signal: an elastic worker waits after returning until the launcher has read every rank's value,
-    but a launcher that received the signal itself is shutting its workers down instead, and only SIGKILLs them
-    after its 30 s shutdown timeout (with a warning). A launcher that is still collecting has read the value well
-    within the grace, so exiting then (status 0) loses nothing.
-    """
-    global _exit_promptly
-    _exit_promptly = True
+# How long a worker outlives handing over its return value: a launcher that is collecting reads it within its
+# ``monitor_interval`` (0.1 s); one that is shutting down (it received a stop signal itself) never does.
+WORKER_EXIT_GRACE_S = 5.0
 
 
 def _worker_main(entrypoint: Callable[..., Any], *args: Any) -> Any:
-    """What each worker ``run_ranks`` starts runs: the entrypoint, then, if it asked, a timer that ends the process."""
+    """What each worker ``run_ranks`` starts runs: the entrypoint, then a timer that ends the process.
+
+    An elastic worker waits after returning until the launcher has read every rank's value. A launcher that received
+    a stop signal is instead shutting its workers down, and SIGKILLs them only after its 30 s shutdown timeout (with
+    a warning), time a preempted job does not have. Ending the process ``WORKER_EXIT_GRACE_S`` after the return
+    loses nothing: a launcher still collecting has read the value by then, and treats status 0 as success.
+    """
     result = entrypoint(*args)
-    if _exit_promptly:
-        timer = threading.Timer(PROMPT_EXIT_GRACE_S, _exit_now)
-        timer.daemon = True
-        timer.start()
+    timer = threading.Timer(WORKER_EXIT_GRACE_S, _exit_now)
+    timer.daemon = True  # a worker the launcher releases in time exits normally, timer and all
+    timer.start()
     return result
 
 
