@@ -35,6 +35,30 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
+def job_state(job_id):
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+
+
+def release_requeued_job(job_id, submitting, deadline):
+    """SLURM holds a requeued job for about two minutes before it may start again; release it sooner, once both
+    nodes are idle and a few seconds have passed. A job started again within the second its old run was killed in is
+    refused by slurmd ("Job credential revoked") and ends as failed, which submitit cannot see without sacct."""
+    pending_since = None
+    while time.time() < deadline and submitting.poll() is None:
+        state = subprocess.run(
+            ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True
+        ).stdout
+        if state.split()[:1] in (["FAILED"], ["CANCELLED"], ["NODE_FAIL"], ["BOOT_FAIL"], ["OUT_OF_MEMORY"]):
+            submitting.kill()
+            pytest.fail(f"job {job_id} failed instead of finishing after the requeue:\n{job_state(job_id)}")
+        if "PENDING" in state and "BeginTime" in state:
+            pending_since = pending_since or time.time()
+            nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout.split()
+            if time.time() - pending_since >= 3 and nodes and all(n == "idle" for n in nodes):
+                subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], timeout=30)
+        time.sleep(1)
+
+
 def test_two_job_multirun_finishes_both(tmp_path):
     result = run_train([*SLURM, "trainer.max_steps=5", "trainer.seed=1,2", "hydra.sweep.dir=sweep"], tmp_path)
     assert result.returncode == 0, result.stderr
@@ -63,14 +87,15 @@ def test_pre_timeout_signal_checkpoints_requeues_and_finishes_like_an_uninterrup
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 8):
         time.sleep(0.5)
     (job_id,) = [p.name for p in (tmp_path / "signalled" / ".submitit").iterdir() if p.name.isdigit()]
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
-    # SLURM holds a requeued job for about two minutes before it may start again; release it as soon as it is back.
-    while time.time() < deadline and submitting.poll() is None:
-        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout
-        if "PENDING" in state and "BeginTime" in state:
-            subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], timeout=30)
-        time.sleep(1)
-    output, _ = submitting.communicate(timeout=240)
+    try:
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        release_requeued_job(job_id, submitting, deadline=time.time() + 180)
+        output, _ = submitting.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        submitting.kill()
+        pytest.fail(f"job {job_id} did not finish after the requeue:\n{job_state(job_id)}")
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30)  # never leave a job behind for the next test
     assert submitting.returncode == 0, output
     run_dir = tmp_path / "signalled" / "0"
     log = "\n".join(p.read_text() for p in (tmp_path / "signalled" / ".submitit" / job_id).glob("*.err"))
