@@ -35,8 +35,15 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
+FAILED_JOB_STATES = {"FAILED", "CANCELLED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY"}
+
+
+def slurm_output(*command):
+    return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+
+
 def job_state(job_id):
-    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    return slurm_output("scontrol", "show", "job", job_id)
 
 
 def release_requeued_job(job_id, submitting, deadline):
@@ -45,15 +52,13 @@ def release_requeued_job(job_id, submitting, deadline):
     refused by slurmd ("Job credential revoked") and ends as failed, which submitit cannot see without sacct."""
     pending_since = None
     while time.time() < deadline and submitting.poll() is None:
-        state = subprocess.run(
-            ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True
-        ).stdout
-        if state.split()[:1] in (["FAILED"], ["CANCELLED"], ["NODE_FAIL"], ["BOOT_FAIL"], ["OUT_OF_MEMORY"]):
+        state, _, reason = slurm_output("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T %r").strip().partition(" ")
+        if state in FAILED_JOB_STATES:
             submitting.kill()
             pytest.fail(f"job {job_id} failed instead of finishing after the requeue:\n{job_state(job_id)}")
-        if "PENDING" in state and "BeginTime" in state:
+        if state == "PENDING" and reason == "BeginTime":
             pending_since = pending_since or time.time()
-            nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True).stdout.split()
+            nodes = slurm_output("sinfo", "-h", "-N", "-o", "%t").split()
             if time.time() - pending_since >= 3 and nodes and all(n == "idle" for n in nodes):
                 subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], timeout=30)
         time.sleep(1)
