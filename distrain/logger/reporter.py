@@ -75,7 +75,7 @@ class RunReporter:
         if not self.enabled:
             return
         with self.metrics_path.open("a") as file:
-            file.write(json.dumps(record) + "\n")
+            file.write(strict_json(record) + "\n")
         self.records.append(record)
         self.tracker.log(record)
         shown = {k: record[k] for k in ("loss", "val_loss", "tokens_per_s", "mfu", "lr") if k in record}
@@ -96,9 +96,25 @@ class RunReporter:
             self.bar.close()
         summary = summary | {"metrics": metric_statistics(self.records)}
         log.info("per-step metrics over the run:\n%s", statistics_table(summary["metrics"]))
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (self.run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
         self.tracker.finish(summary)
         log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))
+
+
+def without_nonfinite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None (JSON has no spelling for them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: without_nonfinite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_nonfinite(item) for item in value]
+    return value
+
+
+def strict_json(value: Any, indent: int | None = None) -> str:
+    """Standard JSON that any parser reads: a metric with nothing to measure is null, never NaN or Infinity."""
+    return json.dumps(without_nonfinite(value), indent=indent, allow_nan=False)
 
 
 def _short(value: float) -> str:
@@ -118,7 +134,8 @@ def metric_statistics(records: list[dict[str, Any]]) -> dict[str, dict[str, floa
     columns: dict[str, list[float]] = {}
     for record in records:
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key != "step" and number and math.isfinite(value):
                 columns.setdefault(key, []).append(float(value))
     stats = {}
     for key, values in columns.items():

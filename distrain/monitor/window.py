@@ -151,9 +151,10 @@ class LogWindow:
         record = {
             "grad_bytes_sent": sent,  # per rank per step, mean over ranks
             "grad_bytes_sent_rank_max": column["comm_bytes"].max().item(),
-            "grad_compression_ratio": column["comm_dense_bytes"].mean().item() / sent if sent else math.inf,
             "comm_busy_time_s": busy,
         }
+        if sent > 0:  # one rank sends nothing: there is no ratio to report, not an infinite one
+            record["grad_compression_ratio"] = column["comm_dense_bytes"].mean().item() / sent
         if busy > 0:  # the part of the collectives' time that backward covered
             record["comm_hidden_fraction"] = min(1.0, max(0.0, 1.0 - column["comm"].mean().item() / busy))
         return record

@@ -268,7 +268,16 @@ class PipelineStrategy(LocalBackwardStrategy):
         """Forward-only through the pipeline; every rank returns the last stage's summed loss (one broadcast)."""
         self.model.eval()
         self._step_tokens = 1
-        loss = self._run_schedule(self.schedule.eval, batch.inputs.to(self.device), batch.targets.to(self.device))
+        inputs, targets = batch.inputs.to(self.device), batch.targets.to(self.device)
+        if self.is_last and 0 in self.stage_indices:
+            # Every stage on this one rank: run them in order. torch's interleaved schedule cannot evaluate two
+            # stages of one rank (its forward-only pass asserts on the hand-over between them).
+            with self.ctx.precision.autocast(self.device):
+                for module in self.stage_modules:
+                    inputs = module(inputs)
+                loss = self._loss(inputs, targets).detach().float()
+        else:
+            loss = self._run_schedule(self.schedule.eval, inputs, targets)
         # evaluate() sums over ranks; every rank of a pipeline holds the same loss here, so count it once.
         if not self.reports_eval_loss():
             return torch.zeros((), device=self.device), 0
