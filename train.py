@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,10 +31,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from distrain import dry_run
 from distrain.agreement import StepAgreement
-from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.checkpoint.checkpointer import (
+    Checkpointer,
+    checkpoint_step,
+    finished_checkpoint,
+    remove_partial_saves,
+    uses_checkpoint_dir,
+)
+from distrain.checkpoint.lock import CheckpointDirLock
 from distrain.config import TrainerConfig, register_configs
 from distrain.data.sampler import Batch, GlobalBatchSampler, TokenWindows, TrainBatches, validation_batches
 from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_failure, shutdown_distributed
+from distrain.errors import RunError, run_error_line
 from distrain.launch import (
     ChildFailedError,
     adopt_slurm_tasks,
@@ -57,7 +66,7 @@ from distrain.parallelism.memory import optimizer_state_bytes_per_param, predict
 from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.preemption import REQUEUE_EXIT_CODE, StopRequest
 from distrain.seeding import seed_everything
-from distrain.validate import ConfigError, validate
+from distrain.validate import ConfigError, LaunchPlan, validate
 
 register_configs()
 # conf/hydra/launcher/submitit_slurm.yaml gives the plugin's launcher our defaults and is checked against its schema
@@ -286,18 +295,41 @@ def main(cfg: DictConfig) -> float | None:
     cfg_dict["distributed"]["device"] = plan.device_type
     checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")
     run_name = f"{hydra_cfg.job.name}/{Path(run_dir).relative_to(Path(run_dir).parents[1])}"
+    with ExitStack() as held:
+        if launcher_rank() == 0 and uses_checkpoint_dir(cfg.checkpoint):
+            try:  # one job per checkpoint directory, before any rank starts
+                held.enter_context(CheckpointDirLock(Path(checkpoint_dir), run_dir))
+            except RunError as err:
+                print(f"distrain: {err}", file=sys.stderr)
+                sys.exit(2)
+            remove_partial_saves(Path(checkpoint_dir))
+        resume = "auto" if restarted_attempt() and cfg.checkpoint.resume == "never" else cfg.checkpoint.resume
+        finished = finished_checkpoint(Path(checkpoint_dir), resume, cfg.trainer.max_steps)
+        if finished:  # e.g. a requeued job that had in fact finished: say so, change nothing
+            print(
+                f"distrain: the run is complete at step {checkpoint_step(finished)} (trainer.max_steps="
+                f"{cfg.trainer.max_steps}, checkpoint {finished}); nothing to train",
+                file=sys.stderr,
+            )
+            return None
+        return launch(cfg, plan, (cfg_dict, run_dir, run_name, run_group(hydra_cfg)), checkpoint_dir)
+
+
+def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], checkpoint_dir: str) -> float | None:
+    """Start the ranks and report how they ended; returns the final validation loss."""
     try:
         results = run_ranks(
             build_and_train,
-            (cfg_dict, run_dir, run_name, run_group(hydra_cfg)),
+            rank_args,
             nproc_per_node=plan.nproc_per_node,
             max_restarts=cfg.distributed.max_restarts,
             # CPU ranks fork from this process and skip re-importing torch; CUDA must not be forked.
             start_method="fork" if plan.device_type == "cpu" else "spawn",
         )
+    except RunError as err:  # raised by the one rank this process ran itself
+        fail(str(err))
     except ChildFailedError as err:
-        print(f"distrain: training failed\n{err.format_msg()}", file=sys.stderr)
-        sys.exit(1)
+        fail(failure_line(err) or f"training failed\n{err.format_msg()}")
     except SignalException as err:  # the launcher forwarded the signal; ranks checkpointed at a step boundary
         stopped(err.sigval.name, checkpoint_dir, cfg.distributed.max_requeues)
     summary = results.get(0) or next(iter(results.values()), None)  # a SLURM task holds only its own rank
@@ -310,6 +342,22 @@ def refuse(err: ConfigError) -> NoReturn:
     """A config mistake: one line naming the key, the value and what is allowed; exit 2 before any rank starts."""
     print(f"distrain: invalid config: {err}", file=sys.stderr)
     sys.exit(2)
+
+
+def fail(message: str) -> NoReturn:
+    """The job failed: ``distrain: <message>`` on stderr, exit 1."""
+    print(f"distrain: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def failure_line(err: ChildFailedError) -> str | None:
+    """The one line of the earliest ``RunError`` any rank raised (a known cause: no traceback needed), if any."""
+    for _, failure in sorted(err.failures.items(), key=lambda item: item[1].timestamp):
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        line = run_error_line(message)
+        if line:
+            return line
+    return None
 
 
 def run_group(hydra_cfg: DictConfig) -> str | None:

@@ -1,8 +1,9 @@
 """Fault injection for tests of failure handling: ``DISTRAIN_INJECT_FAULT=<kind>:<rank>:<step>[:<point>]``, and a
 slow rank for tests of straggler detection: ``DISTRAIN_INJECT_DELAY=<rank>:<seconds>`` (a sleep in every step).
 
-Kinds: ``raise`` (an exception in that rank) or ``kill`` (SIGKILL to itself). Points: ``step`` (default: after
-optimizer step ``step`` completed on rank ``rank``), ``save`` (while checkpoint ``step`` is being written: its
+Kinds: ``raise`` (an exception in that rank), ``kill`` (SIGKILL to itself), ``stop`` (SIGSTOP to itself: a rank
+that stops responding) or ``spin`` (an endless loop, as a bug in user code would be). Points: ``step`` (default:
+after optimizer step ``step`` completed on rank ``rank``), ``save`` (while checkpoint ``step`` is being written: its
 shards are on disk, its manifest is not) or ``update`` (in the middle of applying step ``step``'s update). Read
 once per process and never fired in a restarted attempt; unset in normal use, where the check is one comparison.
 """
@@ -19,6 +20,7 @@ ENV_VAR = "DISTRAIN_INJECT_FAULT"
 DELAY_ENV_VAR = "DISTRAIN_INJECT_DELAY"
 _WHEN = {"step": "after step", "save": "while saving checkpoint", "update": "while applying the update of step"}
 POINTS = tuple(_WHEN)
+KINDS = ("raise", "kill", "stop", "spin")
 
 
 class InjectedFault(RuntimeError):
@@ -30,8 +32,8 @@ def _parse(spec: str | None) -> tuple[str, int, int, str] | None:
         return None
     kind, rank, step, *point = spec.split(":")
     point = point[0] if point else "step"
-    if kind not in ("raise", "kill") or point not in POINTS:
-        raise ValueError(f"{ENV_VAR}={spec!r}: expected raise|kill:<rank>:<step>[:{'|'.join(POINTS)}]")
+    if kind not in KINDS or point not in POINTS:
+        raise ValueError(f"{ENV_VAR}={spec!r}: expected {'|'.join(KINDS)}:<rank>:<step>[:{'|'.join(POINTS)}]")
     return kind, int(rank), int(step), point
 
 
@@ -51,4 +53,8 @@ def maybe_inject_fault(rank: int, step: int, point: str = "step") -> None:
         return
     if _FAULT[0] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if _FAULT[0] == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    while _FAULT[0] == "spin":
+        pass
     raise InjectedFault(f"injected fault on rank {rank} {_WHEN[point]} {step}")

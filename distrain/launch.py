@@ -7,6 +7,7 @@ machinery behind torchrun), so Hydra never runs once per rank.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -172,4 +173,7 @@ def run_ranks(
         # SIGUSR1/SIGUSR2 too (SLURM's warnings before a time limit): forwarded to the ranks, which checkpoint.
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
     )
+    # The agent logs each failed worker's traceback; the caller reports failures itself (one line for a known
+    # cause, the failing rank's traceback otherwise), so the agent's copy would only bury that report.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     return elastic_launch(config, _worker_main)(entrypoint, *args)

@@ -20,6 +20,7 @@ from distrain.checkpoint.checkpointer import Checkpointer, rng_state, set_rng_st
 from distrain.config import TrainerConfig
 from distrain.data.sampler import Batch, TrainBatches
 from distrain.dist import is_peer_failure
+from distrain.errors import CheckpointSpaceError
 from distrain.faults import maybe_inject_delay, maybe_inject_fault
 from distrain.logger.reporter import RunReporter
 from distrain.monitor.profiler import StepProfiler
@@ -55,12 +56,14 @@ def restore_loop_state(loaded: dict[str, Any], state: TrainState, data: TrainBat
 
 
 @torch.no_grad()
-def evaluate(strategy: Strategy, batches: list[Batch]) -> float:
-    """Token-mean validation loss over every rank's batches (one all-reduce)."""
+def evaluate(strategy: Strategy, batches: list[Batch], device: torch.device) -> float:
+    """Token-mean validation loss over every rank's batches (one all-reduce of two numbers on ``device``: NCCL
+    reduces only device tensors)."""
     totals = torch.zeros(2, dtype=torch.float64)
     for batch in batches:
         loss_sum, tokens = strategy.eval_loss(batch)
         totals += torch.tensor([loss_sum.item(), tokens], dtype=torch.float64)
+    totals = totals.to(device)
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
 
@@ -80,7 +83,10 @@ def _emergency_checkpoint(
 ) -> None:
     """Save after a failure only if every rank is at the same completed step with no half-applied update."""
     if not verdict.consistent:
-        log.error("no emergency checkpoint: ranks are not at one consistent step (a failure mid-update or mid-step)")
+        log.error(
+            "no emergency checkpoint: ranks are not at one consistent step (a failure mid-update or mid-step) "
+            "or the disk is full"
+        )
     elif verdict.step == 0 or checkpointer.last_saved_step == verdict.step:
         log.error("no emergency checkpoint needed: step %d is already saved or nothing was trained", verdict.step)
     else:
@@ -143,7 +149,7 @@ def train(
                 logged_losses.append(record["loss"])
             paused = time.perf_counter()
             if (settings.eval_every > 0 and state.step % settings.eval_every == 0) or final:
-                val_loss = record["val_loss"] = evaluate(strategy, val_batches)
+                val_loss = record["val_loss"] = evaluate(strategy, val_batches, device)
             if checkpointer.due(state.step, final=final):
                 checkpointer.save(state.step, strategy, loop_state(state, data), blocking=final)
             window.exclude(time.perf_counter() - paused)  # evaluation and checkpoints stay out of throughput
@@ -153,7 +159,8 @@ def train(
         except Exception as err:  # noqa: BLE001 - any failure goes through the agreement below, then is re-raised
             failure = err
             log.error("step %d failed on this rank: %r", boundary.step + 1, err)
-        consistent = failure is None or not strategy.updating
+        # No emergency checkpoint from a half-applied update, nor onto a disk that just proved full.
+        consistent = failure is None or not (strategy.updating or isinstance(failure, CheckpointSpaceError))
         if failure is not None and state.step == boundary.step:  # the step never completed: undo its data and RNG
             data.load_state_dict(boundary.data)
             set_rng_state(boundary.rng)

@@ -12,6 +12,7 @@ leaves a directory that looks complete.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -27,12 +28,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
+from distrain.checkpoint.data_only import load_tensors_and_values, unsafe_content
+from distrain.errors import CheckpointSpaceError
 from distrain.faults import maybe_inject_fault
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+NEARLY_FULL_BYTES = 1 << 20  # free space below which a failed write is taken to have filled the file system
 
 
 def _sha256(path: Path) -> str:
@@ -60,7 +65,28 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
         if _sha256(file) != expected["sha256"]:
             return f"{name} does not match its checksum"
-    return None
+    return unsafe_content(path)
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Total bytes of the files a complete checkpoint's manifest lists (0 if it cannot be read)."""
+    try:
+        return sum(entry["bytes"] for entry in json.loads((path / "manifest.json").read_text())["files"].values())
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def out_of_space(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it, or a rank's failure inside DCP's ``CheckpointException``) is a full disk."""
+    seen: list[BaseException] = [err]
+    while seen:
+        current = seen.pop()
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return True
+        seen += [e for e in (current.__cause__, current.__context__) if e is not None]
+        for failure in getattr(current, "failures", {}).values():  # DCP keeps (exception, traceback) per rank
+            seen += [e for e in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(e, BaseException)]
+    return "No space left on device" in str(err)
 
 
 def checkpoint_world_size(path: Path) -> int | None:
@@ -72,18 +98,88 @@ def checkpoint_world_size(path: Path) -> int | None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's random number generators as tensors and plain values (saved with ``torch.save``, read back
+    with ``weights_only=True``: no pickled objects)."""
+    version, mt_words, gauss = random.getstate()
+    bit_generator, words, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "python": {"version": version, "words": torch.tensor(mt_words, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "bit_generator": bit_generator,
+            "words": torch.from_numpy(words.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python, numpy = state["python"], state["numpy"]
+    random.setstate((python["version"], tuple(python["words"].tolist()), python["gauss"]))
+    np.random.set_state(
+        (
+            numpy["bit_generator"],
+            numpy["words"].numpy().astype(np.uint32),
+            numpy["position"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def step_directories(directory: Path) -> list[Path]:
+    """Every ``step_*`` directory in ``directory`` (not the ``.tmp`` of a save in progress), oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if _STEP_DIR.match(p.name)), key=lambda p: p.name)
+
+
+def newest_valid(directory: Path, *, report: bool = True) -> Path | None:
+    """The newest checkpoint in ``directory`` whose files match its manifest; corrupt ones (a file altered,
+    truncated or missing, the manifest missing, a pickle that is not data) are skipped, loudly if ``report``."""
+    for path in reversed(step_directories(directory)):
+        problem = checkpoint_problem(path)
+        if not problem:
+            if report:
+                log.info("resuming from %s", path)
+            return path
+        if report:
+            log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step a complete checkpoint holds (from its manifest)."""
+    return int(json.loads((path / "manifest.json").read_text())["step"])
+
+
+def uses_checkpoint_dir(checkpoint: Any) -> bool:
+    """Whether a job with these ``checkpoint.*`` settings reads or writes its checkpoint directory."""
+    return checkpoint.every_n_steps > 0 or checkpoint.save_final or checkpoint.emergency or checkpoint.resume == "auto"
+
+
+def finished_checkpoint(directory: Path, resume: str, max_steps: int) -> Path | None:
+    """The checkpoint a job would resume from when it already holds ``max_steps`` steps (nothing left to train)."""
+    if resume == "never":
+        return None
+    path = newest_valid(directory, report=False) if resume == "auto" else Path(resume)
+    return path if path is not None and checkpoint_step(path) >= max_steps else None
+
+
+def remove_partial_saves(directory: Path) -> None:
+    """Delete ``step_*.tmp`` directories: saves that a crash or a full disk interrupted. Only while holding the
+    directory's lock (no other job can be writing one)."""
+    for partial in directory.glob("step_*.tmp") if directory.is_dir() else ():
+        log.warning("removing %s: an interrupted save", partial)
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 @dataclass
@@ -151,14 +247,7 @@ class Checkpointer:
         return path
 
     def newest_valid(self) -> Path | None:
-        """The newest checkpoint in ``dir`` whose files match its manifest; corrupt ones are skipped, loudly."""
-        for path in reversed(self.complete_checkpoints()):
-            problem = checkpoint_problem(path)
-            if not problem:
-                log.info("resuming from %s", path)
-                return path
-            log.warning("skipping checkpoint %s: %s", path, problem)
-        return None
+        return newest_valid(self.dir)
 
     def due(self, step: int, *, final: bool) -> bool:
         periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
@@ -174,20 +263,48 @@ class Checkpointer:
         final_path = self.dir / f"step_{step:08d}"
         tmp_path = self.dir / f"step_{step:08d}.tmp"
         rank = dist.get_rank()
+        self._check_free_space()
         if rank == 0:
             shutil.rmtree(tmp_path, ignore_errors=True)
             tmp_path.mkdir(parents=True)
         dist.barrier()
-        torch.save(rng_state(), tmp_path / f"rng_rank{rank}.pt")
-        if self.async_save and not blocking:
-            writing = strategy.save_checkpoint(tmp_path, extra, process_group=self._writer_group, asynchronous=True)
-            self._pending = _PendingSave(step, tmp_path, final_path, writing)
-            return final_path
-        strategy.save_checkpoint(tmp_path, extra)
+        try:
+            torch.save(rng_state(), tmp_path / f"rng_rank{rank}.pt")
+            if self.async_save and not blocking:
+                writing = strategy.save_checkpoint(tmp_path, extra, process_group=self._writer_group, asynchronous=True)
+                self._pending = _PendingSave(step, tmp_path, final_path, writing)
+                return final_path
+            strategy.save_checkpoint(tmp_path, extra)
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+            free = shutil.disk_usage(self.dir).free
+            # torch.save's zip writer reports a short write as "unexpected pos", not ENOSPC: a nearly empty file
+            # system right after a failed write says the same.
+            if not (out_of_space(err) or free < NEARLY_FULL_BYTES):
+                raise RuntimeError(f"saving checkpoint {tmp_path} failed: {str(err).splitlines()[0]}") from err
+            written = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+            if rank == 0:  # once, and after rank 0 measured what was written (its message is reported first)
+                shutil.rmtree(tmp_path, ignore_errors=True)
+            raise CheckpointSpaceError(str(self.dir), f"more than {written:,}", free, during_write=True) from None
         maybe_inject_fault(rank, step, point="save")
         dist.barrier()
         self._publish(step, tmp_path, final_path)
         return final_path
+
+    def _check_free_space(self) -> None:
+        """Refuse a save that cannot fit, before writing anything: the size is the newest complete checkpoint's
+        (a save of the same run writes as much again); unknown before the first one. Rank 0 reads the file
+        system and broadcasts what it found (one object broadcast), so every rank decides the same."""
+        found: list[tuple[int, int] | None] = [None]
+        if dist.get_rank() == 0:
+            newest = self.complete_checkpoints()[-1:]
+            if newest:
+                needed = checkpoint_bytes(newest[0])
+                self.dir.mkdir(parents=True, exist_ok=True)
+                found[0] = (needed, shutil.disk_usage(self.dir).free)
+        dist.broadcast_object_list(found, src=0)
+        if found[0] is not None and found[0][0] > found[0][1]:
+            needed, free = found[0]
+            raise CheckpointSpaceError(str(self.dir), f"{needed:,}", free, during_write=False)
 
     def async_save_written(self) -> bool:
         """Whether this rank's part of the pending asynchronous save is on disk (True when none is pending)."""
@@ -224,10 +341,7 @@ class Checkpointer:
 
     def complete_checkpoints(self) -> list[Path]:
         """Checkpoint directories with a manifest, oldest first."""
-        if not self.dir.is_dir():
-            return []
-        found = [p for p in self.dir.iterdir() if _STEP_DIR.match(p.name) and (p / "manifest.json").is_file()]
-        return sorted(found, key=lambda p: p.name)
+        return [p for p in step_directories(self.dir) if (p / "manifest.json").is_file()]
 
     def _prune(self) -> None:
         if self.keep_last > 0:
@@ -243,5 +357,5 @@ class Checkpointer:
         loaded = strategy.load_checkpoint(path, extra)
         rng_file = path / f"rng_rank{dist.get_rank()}.pt"
         if rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(load_tensors_and_values(rng_file))
         return loaded

@@ -108,10 +108,11 @@ class LogWindow:
             **memory_now(self.device),
             "gpu_util_percent": self.gpu.percent() if self.gpu.handle is not None else float("nan"),
         }
-        mine = torch.tensor([[local[f] for f in _FIELDS] + [elapsed / steps]], dtype=torch.float64)
+        # On the training device: NCCL gathers only device tensors.
+        mine = torch.tensor([[local[f] for f in _FIELDS] + [elapsed / steps]], dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
-        per_rank = torch.cat(gathered)  # [rank, field]
+        per_rank = torch.cat(gathered).cpu()  # [rank, field]
         self._reset()
         return self._record(per_rank, steps, elapsed)
 

@@ -7,11 +7,11 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.checkpoint.checkpointer import checkpoint_world_size
+from distrain.checkpoint.data_only import load_dcp_metadata
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class DDPStrategy(LocalBackwardStrategy):
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         """Also restores the comm option's state when the checkpoint has it for this rank and was written by
         the same world size (a residual belongs to one rank's data shard); otherwise that state starts empty."""
-        saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved_keys = load_dcp_metadata(path / ".metadata").state_dict_metadata
         restored = checkpoint_world_size(path) == self.ctx.env.world_size and any(
             key.startswith(f"comm_rank{self.ctx.env.rank}.") for key in saved_keys
         )

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distrain.checkpoint.checkpointer import checkpoint_world_size
+from distrain.checkpoint.data_only import load_tensors_and_values
 from distrain.data.sampler import Batch
 from distrain.faults import maybe_inject_fault
 from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext, token_loss_sum
@@ -36,6 +37,17 @@ def import_deepspeed(device_type: str) -> Any:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     return deepspeed
+
+
+def _data_only_checkpoint_engine(config: Any) -> Any:
+    """DeepSpeed's torch checkpoint engine, loading every file with ``load_tensors_and_values``."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class DataOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return load_tensors_and_values(Path(path), map_location=map_location)
+
+    return DataOnlyCheckpointEngine(config)
 
 
 class ZeroStrategy:
@@ -122,6 +134,8 @@ class ZeroStrategy:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False
         )
+        # DeepSpeed's own engine unpickles its files unrestricted (any pickle runs); this one reads data only.
+        self.engine.checkpoint_engine = _data_only_checkpoint_engine(self.engine._config)
         self._state_bytes: ModelStateBytes | None = None
 
     @property

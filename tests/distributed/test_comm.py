@@ -337,7 +337,7 @@ def validation_after(cfg_dicts):
             run = train.build(cfg, env, run_dir=tempfile.mkdtemp())
             for _ in range(cfg.trainer.max_steps):
                 run.strategy.train_step(run.data.next_step())
-            losses.append(evaluate(run.strategy, run.val_batches))
+            losses.append(evaluate(run.strategy, run.val_batches, env.device))
         return losses
     finally:
         leave()

@@ -1,9 +1,12 @@
 """Reliability through train.py: every strategy at world size 1, a finished run resumed, checkpoint directory
 locks, a full disk during a save, a rank that stops responding."""
 
+import hashlib
 import json
+import shutil
 
 import pytest
+import torch
 from helpers import FAST, run_train
 
 pytestmark = pytest.mark.integration
@@ -58,3 +61,106 @@ def test_every_strategy_finishes_on_one_rank_with_a_valid_summary(tmp_path, sing
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
     if name != "ddp_topk":
         assert summary["final_val_loss"] == pytest.approx(single_process_val_loss, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------ checkpoints on disk
+
+CHECKPOINTED = [*ONE_RANK, "checkpoint=default", "checkpoint.every_n_steps=2", "checkpoint.keep_last=0"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 4-step one-rank run with checkpoints at steps 2 and 4, and its losses."""
+    root = tmp_path_factory.mktemp("finished")
+    result = run_train(CHECKPOINTED, root)
+    assert result.returncode == 0, result.stderr
+    return root / "run"
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def copy_run(run_dir, tmp_path):
+    shutil.copytree(run_dir, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def rewrite_manifest(checkpoint):
+    """Make the manifest match the files again, as someone who altered them on purpose would."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = (checkpoint / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+class RunsCode:
+    """Unpickling this creates the file ``marker``: what a malicious checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def corrupt(checkpoint, how, marker):
+    if how == "shard_bytes_changed":
+        shard = next(checkpoint.glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        return "__0_0.distcp does not match its checksum"
+    if how == "file_truncated":
+        rng = checkpoint / "rng_rank0.pt"
+        rng.write_bytes(rng.read_bytes()[:100])
+        return "rng_rank0.pt has 100 bytes"
+    if how == "manifest_missing":
+        (checkpoint / "manifest.json").unlink()
+        return "no manifest.json"
+    torch.save({"torch": RunsCode(marker)}, checkpoint / "rng_rank0.pt")  # how == "pickled_code"
+    rewrite_manifest(checkpoint)
+    return "holds Python objects that are not data"
+
+
+@pytest.mark.parametrize("how", ["shard_bytes_changed", "file_truncated", "manifest_missing", "pickled_code"])
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, finished_run, how):
+    """resume=auto names the checkpoint it skips and why, resumes from the one before, and trains the same losses;
+    a checkpoint holding a pickle that would run code is refused without running it."""
+    run_dir = copy_run(finished_run, tmp_path)
+    marker = tmp_path / "code_ran"
+    reason = corrupt(run_dir / "checkpoints" / "step_00000004", how, marker)
+    result = run_train([*CHECKPOINTED, "checkpoint.resume=auto"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"skipping checkpoint {run_dir / 'checkpoints' / 'step_00000004'}: " in result.stderr
+    assert reason in result.stderr
+    assert "resumed from" in result.stderr and "step_00000002 at step 2" in result.stderr
+    assert losses(run_dir) == losses(finished_run)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_holding_code_is_refused_in_one_line(tmp_path, finished_run):
+    """checkpoint.resume=<path> of a checkpoint whose RNG file is a code-running pickle (manifest rewritten to
+    match): one line naming the file, exit 2 before any rank starts, and the code never runs."""
+    run_dir = copy_run(finished_run, tmp_path)
+    marker = tmp_path / "code_ran"
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    corrupt(checkpoint, "pickled_code", marker)
+    result = run_train([*CHECKPOINTED, f"checkpoint.resume={checkpoint}", "hydra.run.dir=other"], tmp_path)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("distrain:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert f"{checkpoint / 'rng_rank0.pt'} holds Python objects that are not data" in lines[0]
+    assert "its pickle calls io.open" in lines[0]
+    assert not marker.exists()
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, finished_run):
+    run_dir = copy_run(finished_run, tmp_path)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    result = run_train([*CHECKPOINTED, "checkpoint.resume=auto"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "distrain: the run is complete at step 4 (trainer.max_steps=4" in result.stderr
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    assert after == before

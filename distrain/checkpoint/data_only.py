@@ -1,0 +1,126 @@
+"""Reading checkpoint files as data only: nothing in a checkpoint can run code when it is loaded.
+
+Three kinds of file in a checkpoint are pickles: our ``rng_rank<r>.pt`` (``torch.save``), DCP's ``.metadata``
+(plain ``pickle``) and DeepSpeed's ``*.pt`` (``torch.save``, which DeepSpeed itself would unpickle unrestricted).
+A pickle can name any importable callable and call it while loading. Here every one of them is read by an
+unpickler that accepts only tensors, plain Python values and an explicit list of data classes (DCP's metadata
+records, three DeepSpeed records); anything else is refused with ``UnsafeCheckpointError`` before it is called.
+
+``unsafe_content`` checks a whole checkpoint directory that way (tensor bytes are memory-mapped, not read), so a
+checkpoint holding code is refused before any rank starts (``checkpoint.resume=<path>``) or skipped by
+``resume=auto``, and the loaders below refuse it again at load time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from distrain.errors import RunError
+
+# Classes DeepSpeed 0.19 pickles into its checkpoints: records of plain values, constructed without running code.
+DEEPSPEED_DATA_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+# What DCP's ``.metadata`` pickle names: its own metadata records, shapes, dtypes, layouts and paths.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+_PATH_CLASSES = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
+
+
+class UnsafeCheckpointError(RunError):
+    """A checkpoint file that holds Python objects other than data: loading it could run code."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(
+            f"{path} holds Python objects that are not data ({detail}); refusing to load it: a checkpoint may "
+            "hold only tensors and plain values"
+        )
+
+
+def _importable(name: str) -> type | None:
+    module, attribute = name.rsplit(".", 1)
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError):
+        return None
+
+
+def load_tensors_and_values(path: Path, **kwargs: Any) -> Any:
+    """``torch.load`` that accepts only tensors, plain values and ``DEEPSPEED_DATA_CLASSES``; raises
+    ``UnsafeCheckpointError`` otherwise. ``kwargs`` go to ``torch.load`` (``map_location``, ``mmap``)."""
+    allowed = [cls for cls in map(_importable, DEEPSPEED_DATA_CLASSES) if cls is not None]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))
+        detail = f"its pickle calls {named.group(1)}" if named else _weights_only_reason(str(err))
+        raise UnsafeCheckpointError(path, detail) from None
+
+
+def _weights_only_reason(message: str) -> str:
+    """The line of torch's weights-only refusal that says what was refused (its message is a page long)."""
+    reasons = [line.split("error:", 1)[-1].strip() for line in message.splitlines() if "Unpickler error" in line]
+    return reasons[0] if reasons else message.splitlines()[0]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = getattr(torch, name, None) if module == "torch" else None
+        if (
+            module in _METADATA_MODULES
+            or (module, name) in _METADATA_GLOBALS
+            or (module == "pathlib" and name in _PATH_CLASSES)
+            or isinstance(dtype, torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+
+
+def load_dcp_metadata(path: Path) -> Metadata:
+    """DCP's ``.metadata`` file, read by an unpickler that constructs only DCP's own metadata records."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as err:
+        raise UnsafeCheckpointError(path, str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(path, f"a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+class DataOnlyReader(FileSystemReader):
+    """DCP's file-system reader with the metadata read by ``load_dcp_metadata``; tensor data and saved values
+    are read by DCP itself, which loads non-tensor values with ``weights_only=True``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = load_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def unsafe_content(checkpoint: Path) -> str | None:
+    """Why some pickle in ``checkpoint`` is not plain data (the first such file), or None when all are."""
+    try:
+        for file in sorted(checkpoint.rglob("*")):
+            if file.name == ".metadata":
+                load_dcp_metadata(file)
+            elif file.suffix == ".pt":
+                load_tensors_and_values(file, map_location="cpu", mmap=True)
+    except UnsafeCheckpointError as err:
+        return str(err)
+    return None
