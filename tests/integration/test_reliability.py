@@ -3,11 +3,16 @@ locks, a full disk during a save, a rank that stops responding."""
 
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
-from helpers import FAST, run_train
+from helpers import FAST, REPO, run_train
 
 pytestmark = pytest.mark.integration
 
@@ -164,3 +169,94 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, finished_
     assert "distrain: the run is complete at step 4 (trainer.max_steps=4" in result.stderr
     after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and ".hydra" not in p.parts}
     assert after == before
+
+
+# ------------------------------------------------------------------------------------ one job per directory
+
+
+def distrain_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("distrain:")]
+
+
+def test_a_second_job_on_the_same_checkpoint_dir_is_refused_until_the_first_is_gone(tmp_path):
+    """While job A runs, job B with the same checkpoint.dir is refused in one line naming A's host, pid and run
+    directory (exit 2). Once A is killed (launcher and ranks, SIGKILL: its lock stays behind), B takes the stale
+    lock over with a warning and trains."""
+    shared = tmp_path / "shared_checkpoints"
+    first = [*CHECKPOINTED, "trainer.max_steps=100000", f"checkpoint.dir={shared}", "hydra.run.dir=first"]
+    job_a = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *first],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (shared / ".lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        holder = json.loads((shared / ".lock").read_text())
+        assert holder["pid"] == job_a.pid
+        second = [*CHECKPOINTED, f"checkpoint.dir={shared}", "hydra.run.dir=second"]
+        refused = run_train(second, tmp_path)
+        assert refused.returncode == 2
+        (line,) = distrain_lines(refused.stderr)
+        assert f"checkpoint.dir={shared} is in use by another job" in line
+        assert f"pid {job_a.pid}" in line and str(tmp_path / "first") in line and holder["host"] in line
+        assert not (tmp_path / "second" / "metrics.jsonl").exists()
+    finally:
+        os.killpg(job_a.pid, signal.SIGKILL)
+        job_a.wait()
+    assert (shared / ".lock").exists()
+    took_over = run_train(second, tmp_path)
+    assert took_over.returncode == 0, took_over.stderr
+    assert f"taking over the lock of {shared}: process {job_a.pid}" in took_over.stdout + took_over.stderr
+    assert not (shared / ".lock").exists()  # released at the end
+
+
+# ------------------------------------------------------------------------------------ a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of a chosen size (tmpfs); resized with ``resize(kib)``."""
+    mount_point = tmp_path / "small_disk"
+    mount_point.mkdir()
+
+    def mount(kib, remount=False):
+        options = f"{'remount,' if remount else ''}size={kib}k"
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"this machine cannot mount a tmpfs to fill: {done.stderr.decode().strip()}")
+
+    yield mount_point, mount
+    subprocess.run(["umount", str(mount_point)], capture_output=True)
+
+
+def test_a_disk_that_fills_during_a_save_loses_nothing(tmp_path, small_disk, finished_run):
+    """A first save that does not fit: one line (directory, bytes written, bytes free), no partial .tmp left.
+    Room for one checkpoint only: the step-2 checkpoint is written, the step-4 save is refused before writing (its
+    size is known); after the disk is enlarged, resume=auto continues from step 2 with the same losses."""
+    disk, mount = small_disk
+    args = [*CHECKPOINTED, f"checkpoint.dir={disk / 'checkpoints'}"]
+    mount(1000)
+    during = run_train(args, tmp_path)
+    assert during.returncode == 1
+    (line,) = distrain_lines(during.stderr)
+    assert f"checkpoint directory {disk / 'checkpoints'} ran out of space while saving a checkpoint" in line
+    assert "Traceback" not in during.stderr
+    assert list((disk / "checkpoints").iterdir()) == []
+
+    mount(3000, remount=True)
+    before = run_train(args, tmp_path)
+    assert before.returncode == 1
+    (line,) = distrain_lines(before.stderr)
+    needed = sum(p.stat().st_size for p in (disk / "checkpoints" / "step_00000002").iterdir())
+    assert f"has too little free space for a checkpoint: it needs {needed:,} bytes" in line
+    assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["step_00000002"]
+
+    mount(8000, remount=True)
+    resumed = run_train([*args, "checkpoint.resume=auto"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step_00000002 at step 2" in resumed.stderr
+    assert losses(tmp_path / "run") == losses(finished_run)
