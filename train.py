@@ -74,6 +74,7 @@ register_configs()
 warnings.filterwarnings("ignore", message=".*is validated against ConfigStore schema with the same name")
 
 PEER_FAILURE_GRACE_S = 5.0
+RUN_ERROR_FILE = "run_error.txt"  # in the run directory: the last RunError a rank raised, for the one-line report
 log = logging.getLogger("distrain.train")
 
 
@@ -255,6 +256,10 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         del run  # release DDP's reducer, which holds the process group, before leaving the group
         completed = True
         return summary
+    except RunError as err:
+        # The launcher may report another rank first (one this rank ended); the launching process reads this file.
+        (Path(run_dir) / RUN_ERROR_FILE).write_text(str(err))
+        raise
     except Exception as err:
         if is_peer_failure(err):
             # Let the rank that really failed be reported first: the launcher names the earliest failure.
@@ -317,6 +322,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], checkpoint_dir: str) -> float | None:
     """Start the ranks and report how they ended; returns the final validation loss."""
+    (Path(rank_args[1]) / RUN_ERROR_FILE).unlink(missing_ok=True)
     try:
         results = run_ranks(
             build_and_train,
@@ -329,7 +335,7 @@ def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], checkp
     except RunError as err:  # raised by the one rank this process ran itself
         fail(str(err))
     except ChildFailedError as err:
-        fail(failure_line(err) or f"training failed\n{err.format_msg()}")
+        fail(failure_line(err, rank_args[1]) or f"training failed\n{err.format_msg()}")
     except SignalException as err:  # the launcher forwarded the signal; ranks checkpointed at a step boundary
         stopped(err.sigval.name, checkpoint_dir, cfg.distributed.max_requeues)
     summary = results.get(0) or next(iter(results.values()), None)  # a SLURM task holds only its own rank
@@ -350,14 +356,15 @@ def fail(message: str) -> NoReturn:
     sys.exit(1)
 
 
-def failure_line(err: ChildFailedError) -> str | None:
-    """The one line of the earliest ``RunError`` any rank raised (a known cause: no traceback needed), if any."""
+def failure_line(err: ChildFailedError, run_dir: str) -> str | None:
+    """The one line of a ``RunError`` some rank raised (a known cause: no traceback needed), if any."""
     for _, failure in sorted(err.failures.items(), key=lambda item: item[1].timestamp):
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
         line = run_error_line(message)
         if line:
             return line
-    return None
+    recorded = Path(run_dir) / RUN_ERROR_FILE
+    return recorded.read_text() if recorded.is_file() else None
 
 
 def run_group(hydra_cfg: DictConfig) -> str | None:

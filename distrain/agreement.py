@@ -9,19 +9,28 @@ after ``failure_timeout_s`` instead of hanging, and no emergency checkpoint is w
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import logging
+import os
+import signal
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from distrain.dist import PeerFailedError
+from distrain.errors import UnresponsiveRankError
 from distrain.preemption import StopRequest
 
 __all__ = ["AgreementTimeout", "PeerFailedError", "StepAgreement", "Verdict"]
 
 log = logging.getLogger(__name__)
+
+
+_ARRIVALS_KEY = "distrain/step_boundary_arrivals"
 
 
 class AgreementTimeout(RuntimeError):
@@ -44,8 +53,13 @@ class StepAgreement:
 
     def __init__(self, *, stop: StopRequest | None, timeout_s: float, failure_timeout_s: float) -> None:
         self.stop = stop
+        self.timeout_s = timeout_s
         self.failure_timeout = datetime.timedelta(seconds=failure_timeout_s)
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # Each rank counts its arrivals at step boundaries in the rendezvous store (served by the launcher, so it
+        # answers even when a rank is stopped): whoever is behind when a boundary times out stopped responding.
+        self.store = dist.distributed_c10d._get_default_store()
+        self.arrivals = 0
 
     def agree(self, *, step: int, failed: bool, consistent: bool, async_save_written: bool = True) -> Verdict:
         """Collective on the agreement group. ``step`` is the optimizer steps this rank completed; ``consistent``
@@ -65,16 +79,16 @@ class StepAgreement:
             ],
             dtype=torch.int64,
         )
+        self.arrivals += 1
+        self.store.set(f"{_ARRIVALS_KEY}/{rank}", json.dumps([self.arrivals, step, os.getpid(), socket.gethostname()]))
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if failed:
-            try:
-                work.wait(timeout=self.failure_timeout)
-            except RuntimeError as err:
-                raise AgreementTimeout(
-                    f"peers did not reach the step boundary within {self.failure_timeout.total_seconds():.0f} s"
-                ) from err
-        else:
-            work.wait()
+        try:
+            work.wait(timeout=self.failure_timeout) if failed else work.wait()
+        except RuntimeError as err:
+            self._stop_unresponsive_ranks()
+            raise AgreementTimeout(
+                f"peers did not reach the step boundary within {self.failure_timeout.total_seconds():.0f} s"
+            ) from err
         stop, failed_plus_one, inconsistent, max_step, neg_min_step, unwritten = flags.tolist()
         if stop and self.stop is not None and self.stop.signal_name is None:
             self.stop.signal_name = "a signal to another rank"
@@ -84,4 +98,30 @@ class StepAgreement:
             consistent=not inconsistent and max_step == -neg_min_step,
             step=max_step,
             async_save_written=not unwritten,
+        )
+
+    def _stop_unresponsive_ranks(self) -> None:
+        """After a step boundary timed out: find the ranks that have not arrived as often as this one, SIGKILL those
+        on this host (stopped or spinning, they would not react to the launcher's SIGTERM for its 30 s grace) and
+        raise ``UnresponsiveRankError`` naming them. Returns when every peer has arrived (they are not the cause)."""
+        behind = []
+        for peer in range(dist.get_world_size()):
+            key = f"{_ARRIVALS_KEY}/{peer}"
+            arrival = json.loads(self.store.get(key)) if self.store.check([key]) else [0, 0, 0, ""]
+            if arrival[0] < self.arrivals:
+                behind.append((peer, *arrival[1:]))
+        if not behind:
+            return
+        for _, _, pid, host in behind:
+            if host == socket.gethostname() and pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        names = ", ".join(
+            f"rank {peer} (pid {pid} on {host}, last at the end of step {peer_step})"
+            for peer, peer_step, pid, host in behind
+        )
+        raise UnresponsiveRankError(
+            f"{names} stopped responding: no collective for distributed.timeout_s={self.timeout_s:g} s (stopped, "
+            "deadlocked or looping); "
+            "ended it and the job; the last complete checkpoint is intact (resume with checkpoint.resume=auto)"
         )

@@ -175,6 +175,8 @@ def train(
                 async_save_written=checkpointer.async_save_written(),
             )
         except AgreementTimeout as timeout:
+            if failure is None:
+                raise
             log.error("no emergency checkpoint: %s", timeout)
             raise failure from timeout
         if verdict.failed_rank is not None:

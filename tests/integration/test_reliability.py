@@ -14,6 +14,8 @@ import pytest
 import torch
 from helpers import FAST, REPO, run_train
 
+from distrain.checkpoint.checkpointer import checkpoint_problem, step_directories
+
 pytestmark = pytest.mark.integration
 
 ONE_RANK = [*FAST, "distributed.nproc_per_node=1", "trainer.max_steps=4", "hydra.run.dir=run"]
@@ -260,3 +262,35 @@ def test_a_disk_that_fills_during_a_save_loses_nothing(tmp_path, small_disk, fin
     assert resumed.returncode == 0, resumed.stderr
     assert "step_00000002 at step 2" in resumed.stderr
     assert losses(tmp_path / "run") == losses(finished_run)
+
+
+# ------------------------------------------------------------------------------------ a rank that stops responding
+
+TIMEOUT_S = 10
+
+
+@pytest.mark.parametrize("fault", ["stop:1:3", "spin:1:3", "stop:0:3", "stop:1:3:update"])
+def test_a_rank_that_stops_responding_ends_the_job_in_time_and_is_named(tmp_path, fault):
+    """SIGSTOP (or an endless loop) in one rank after step 3 (or in the middle of step 3's update): the job exits
+    1 within distributed.timeout_s plus a margin (start-up, the failed ranks' agreement wait), with one line naming
+    the rank, and the step-2 checkpoint intact. No hang."""
+    args = [
+        *FAST,
+        "trainer.max_steps=50",
+        "hydra.run.dir=run",
+        f"distributed.timeout_s={TIMEOUT_S}",
+        "checkpoint=default",
+        "checkpoint.every_n_steps=2",
+        "checkpoint.emergency_timeout_s=5",
+    ]
+    started = time.monotonic()
+    result = run_train(args, tmp_path, env={"DISTRAIN_INJECT_FAULT": fault}, timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    assert elapsed < TIMEOUT_S + 30, f"took {elapsed:.0f} s"
+    (line,) = distrain_lines(result.stderr)
+    stopped_rank = fault.split(":")[1]
+    assert f"rank {stopped_rank} (pid " in line and "stopped responding" in line and f"timeout_s={TIMEOUT_S}" in line
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in step_directories(checkpoints)] == ["step_00000002"]
+    assert checkpoint_problem(checkpoints / "step_00000002") is None
