@@ -60,6 +60,7 @@ from distrain.monitor.flops import peak_flops_per_device
 from distrain.monitor.profiler import StepProfiler
 from distrain.monitor.timing import Clock
 from distrain.monitor.window import LogWindow
+from distrain.overrides import composition_error, plain_overrides
 from distrain.parallelism.base import Strategy, StrategyContext
 from distrain.parallelism.compile import apply_compile, compile_report
 from distrain.parallelism.memory import optimizer_state_bytes_per_param, predicted_model_state_bytes
@@ -157,7 +158,9 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         data=TrainBatches(train_windows, sampler),
         val_batches=val_batches,
         reporter=reporter,
-        checkpointer=instantiate(cfg.checkpoint)(run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True)),
+        checkpointer=instantiate(cfg.checkpoint)(
+            run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        ),
         settings=settings,
         window=LogWindow(
             device=env.device,
@@ -296,7 +299,7 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as err:
         refuse(err)
     run_dir = hydra_cfg.runtime.output_dir
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_dict["distributed"]["device"] = plan.device_type
     checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")
     run_name = f"{hydra_cfg.job.name}/{Path(run_dir).relative_to(Path(run_dir).parents[1])}"
@@ -400,6 +403,11 @@ if __name__ == "__main__":
             "hydra/job_logging=disabled",
             "hydra/hydra_logging=disabled",
         ]
+    overrides = plain_overrides(sys.argv[1:])
+    problem = composition_error(overrides) if overrides is not None and not inside_launcher() else None
+    if problem:
+        print(f"distrain: invalid config: {problem}", file=sys.stderr)
+        sys.exit(2)
     try:
         main()
     finally:

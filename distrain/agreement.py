@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distrain.dist import PeerFailedError
+from distrain.dist import PeerFailedError, is_peer_failure
 from distrain.errors import UnresponsiveRankError
 from distrain.preemption import StopRequest
 
@@ -61,11 +61,21 @@ class StepAgreement:
         self.store = dist.distributed_c10d._get_default_store()
         self.arrivals = 0
 
-    def agree(self, *, step: int, failed: bool, consistent: bool, async_save_written: bool = True) -> Verdict:
+    def agree(
+        self,
+        *,
+        step: int,
+        failed: bool,
+        consistent: bool,
+        async_save_written: bool = True,
+        failed_waiting: bool = False,
+    ) -> Verdict:
         """Collective on the agreement group. ``step`` is the optimizer steps this rank completed; ``consistent``
         is False when this rank failed in the middle of applying an update.
 
-        Raises ``AgreementTimeout`` on a failed rank whose peers do not arrive within ``failure_timeout_s``.
+        Raises ``AgreementTimeout`` on a failed rank whose peers do not arrive within ``failure_timeout_s``, and
+        ``UnresponsiveRankError`` when the boundary times out on a rank that was only waiting for peers (healthy, or
+        ``failed_waiting``: its own failure was a collective timing out) and some peer has not arrived.
         """
         rank = dist.get_rank()
         flags = torch.tensor(
@@ -85,7 +95,12 @@ class StepAgreement:
         try:
             work.wait(timeout=self.failure_timeout) if failed else work.wait()
         except RuntimeError as err:
-            self._stop_unresponsive_ranks()
+            if is_peer_failure(err):  # a peer died: the launcher reports it; nobody is left to stop
+                raise
+            if not failed or failed_waiting:  # else peers may be blocked in a collective this rank left
+                self._stop_unresponsive_ranks()
+            if not failed:
+                raise
             raise AgreementTimeout(
                 f"peers did not reach the step boundary within {self.failure_timeout.total_seconds():.0f} s"
             ) from err

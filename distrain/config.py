@@ -8,10 +8,46 @@ composition time, before any rank starts. Defaults live here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+# ---------------------------------------------------------------------------------------------- choices
+
+
+class Choice(str, Enum):
+    """A string option with a closed set of values: Hydra refuses any other value at composition, listing the
+    allowed ones. Members are their own names and compare, hash and print as the plain string."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(str(self.value))
+
+
+def _choices(name: str, *values: str) -> type[Choice]:
+    return Choice(name, {value: value for value in values})
+
+
+Device = _choices("Device", "auto", "cpu", "cuda")
+TargetDevice = _choices("TargetDevice", "cpu", "cuda")
+Backend = _choices("Backend", "gloo", "nccl")
+OnNonfinite = _choices("OnNonfinite", "stop", "skip")
+Decay = _choices("Decay", "cosine", "linear", "constant")
+ComputeDtype = _choices("ComputeDtype", "float32", "bfloat16", "float16")
+CommDtype = _choices("CommDtype", "bfloat16", "float16")
+Schedule = _choices("Schedule", "gpipe", "1f1b", "interleaved")
+DataParallelMode = _choices("DataParallelMode", "fsdp", "replicate")
+Offload = _choices("Offload", "none", "cpu")
+RecomputeMode = _choices("RecomputeMode", "none", "full", "selective")
+CompileScope = _choices("CompileScope", "blocks", "model")
+WandbMode = _choices("WandbMode", "auto", "online", "offline", "disabled")
 
 # ---------------------------------------------------------------------------------------------- model
 
@@ -125,7 +161,7 @@ class PipelineConfig:
 
     _target_: str = "distrain.parallelism.pipeline.PipelineStrategy"
     name: str = "pipeline"
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: Schedule = Schedule["1f1b"]  # gpipe | 1f1b | interleaved
     microbatches: int = 4  # pipeline micro-batches per optimizer step
     virtual_stages: int = 2  # stages per rank with schedule=interleaved
     split_points: list[int] = field(default_factory=list)  # block indices where stages begin; empty: balanced
@@ -142,10 +178,10 @@ class HybridConfig:
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline stages (ranks); with pp > 1 the pipeline keys below apply
     stage: int = "${stage_or:3}"  # FSDP on dp: 2 keeps gathered parameters forward to backward; 3 reshards
-    dp_mode: str = "fsdp"  # fsdp: shard over dp | replicate: whole copies, gradients all-reduced (DDP semantics)
+    dp_mode: DataParallelMode = DataParallelMode.fsdp  # replicate: whole copies, gradients all-reduced
     sequence_parallel: bool = False  # as in parallelism=tensor (pp=1 only)
     loss_parallel: bool = False  # as in parallelism=tensor (pp=1 only)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: Schedule = Schedule["1f1b"]  # gpipe | 1f1b | interleaved
     microbatches: int = 4  # pipeline micro-batches per optimizer step
     virtual_stages: int = 2  # stages per pipeline rank with schedule=interleaved
     split_points: list[int] = field(default_factory=list)  # block indices where stages begin; empty: balanced
@@ -166,8 +202,8 @@ class ZeroConfig:
     contiguous_gradients: bool = True  # copy gradients into one contiguous buffer as they are produced
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
-    offload_optimizer: str = "none"  # none | cpu: optimizer state and step on the CPU (ZeRO-Offload; GPU runs)
-    offload_param: str = "none"  # none | cpu: parameters in CPU memory between uses (stage 3, GPU runs)
+    offload_optimizer: Offload = Offload.none  # cpu: optimizer state and step on the CPU (GPU runs)
+    offload_param: Offload = Offload.none  # none | cpu: parameters in CPU memory between uses (stage 3, GPU runs)
     stage3_prefetch_bucket_size: int = 50_000_000
     # 0, not DeepSpeed's 1e5: distrain's small models would otherwise keep every tensor resident, unsharded.
     stage3_param_persistence_threshold: int = 0
@@ -206,7 +242,7 @@ class SchedulerConfig:
     _target_: str = "distrain.optim.schedule.warmup_decay_schedule"
     _partial_: bool = True
     warmup_steps: int = 20
-    decay: str = "cosine"  # cosine | linear | constant
+    decay: Decay = Decay.cosine  # cosine | linear | constant
     min_lr_ratio: float = 0.1
 
 
@@ -219,7 +255,7 @@ class PrecisionConfig:
 
     _target_: str = "distrain.precision.policy.PrecisionPolicy"
     name: str = "fp32"
-    compute_dtype: str = "float32"  # float32 (no autocast) | bfloat16 | float16
+    compute_dtype: ComputeDtype = ComputeDtype.float32  # float32 (no autocast) | bfloat16 | float16
     grad_scaler: bool = False
 
 
@@ -243,7 +279,7 @@ class CastCommConfig(DDPCommConfig):
 
     _target_: str = "distrain.comm.compression.CastComm"
     name: str = "bf16"
-    dtype: str = "bfloat16"  # bfloat16 | float16
+    dtype: CommDtype = CommDtype.bfloat16  # bfloat16 | float16
 
 
 @dataclass(kw_only=True)
@@ -327,7 +363,7 @@ class WandbTrackerConfig:
     group: str | None = None  # None: the multirun sweep, or the SLURM job, this run belongs to
     tags: list[str] = field(default_factory=list)
     name: str | None = None  # None: the run directory's name under outputs/ or multirun/
-    mode: str = "auto"  # auto (online with credentials, else offline) | online | offline | disabled
+    mode: WandbMode = WandbMode.auto  # auto (online with credentials, else offline) | online | offline | disabled
 
 
 # ---------------------------------------------------------------------------------------------- root
@@ -339,7 +375,7 @@ class TrainerConfig:
     seed: int = 0
     grad_accum_steps: int = 1  # micro-steps per optimizer step; gradients sync on the last only
     grad_clip_norm: float = 1.0  # global L2 norm; 0 disables clipping (the norm is still reported)
-    on_nonfinite: str = "stop"  # stop | skip: a NaN/inf gradient norm stops training, or skips that update
+    on_nonfinite: OnNonfinite = OnNonfinite.stop  # a NaN/inf gradient norm stops training, or skips that update
     log_every: int = 10
     eval_every: int = 100  # 0: evaluate only at the end
     eval_batches: int = 8  # validation micro-batches per rank
@@ -359,8 +395,8 @@ class MonitorConfig:
 @dataclass(kw_only=True)
 class DistributedConfig:
     nproc_per_node: int | None = None  # None: one rank per GPU, else 2 on CPU (1 for parallelism=single)
-    device: str = "auto"  # auto | cpu | cuda
-    backend: str | None = None  # None: nccl on cuda, gloo on cpu
+    device: Device = Device.auto  # auto | cpu | cuda
+    backend: Backend | None = None  # None: nccl on cuda, gloo on cpu
     timeout_s: float = 300.0  # collective timeout
     max_restarts: int = 0  # elastic restarts of all ranks after a rank fails
     max_requeues: int = 3  # SLURM: requeues after a pre-timeout signal or preemption (checkpoint, then requeue)
@@ -373,7 +409,7 @@ class DryRunTarget:
 
     nodes: int = 1
     ranks_per_node: int | None = None  # None: distributed.nproc_per_node, else visible GPUs, else 8 (cuda) / 2 (cpu)
-    device: str | None = None  # cuda | cpu; None: distributed.device as resolved on this machine
+    device: TargetDevice | None = None  # cuda | cpu; None: distributed.device as resolved on this machine
     device_memory_gib: float | None = None  # None: this machine's GPU, else 80 (cuda) or RAM / ranks per node (cpu)
 
 
@@ -393,10 +429,10 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     profile: bool = False  # torch.profiler trace of monitor.profile_steps steps into <run dir>/profile/
     stage: int | None = None  # ZeRO/FSDP sharding stage, written top-level: `parallelism=zero stage=3`
-    activation_checkpointing: str = "none"  # none | full (every block) | selective (every n-th block)
+    activation_checkpointing: RecomputeMode = RecomputeMode.none  # full: every block; selective: every n-th
     activation_checkpointing_every: int = 2  # n for selective: blocks 0, n, 2n, ... recompute their activations
     compile: bool = False  # torch.compile (ddp, fsdp, tensor, hybrid without pp, single; others warn and run eager)
-    compile_scope: str = "blocks"  # blocks: each transformer block | model: the whole model as one graph
+    compile_scope: CompileScope = CompileScope.blocks  # blocks: each block; model: one graph
     compile_backend: str = "inductor"  # any torch.compile backend; aot_eager traces without generating kernels
     dry_run: bool = False  # validate for target.*, print predicted per-rank memory, exit without training
     target: DryRunTarget = field(default_factory=lambda: DryRunTarget())

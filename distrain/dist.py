@@ -124,6 +124,11 @@ def is_peer_failure(err: BaseException) -> bool:
     return any(marker in str(err) for marker in _PEER_FAILURE_MARKERS)
 
 
+def is_collective_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that waited ``distributed.timeout_s`` for a peer that never came."""
+    return "Timed out waiting" in str(err) or "collective operation timeout" in str(err)
+
+
 def configure_logging(rank: int, log_file: Path | None = None) -> None:
     """Rank 0 logs INFO; the others WARNING and above, prefixed with their rank so a failing rank is named.
 

@@ -19,7 +19,7 @@ from distrain.agreement import AgreementTimeout, PeerFailedError, StepAgreement,
 from distrain.checkpoint.checkpointer import Checkpointer, rng_state, set_rng_state
 from distrain.config import TrainerConfig
 from distrain.data.sampler import Batch, TrainBatches
-from distrain.dist import is_peer_failure
+from distrain.dist import is_collective_timeout, is_peer_failure
 from distrain.errors import CheckpointSpaceError
 from distrain.faults import maybe_inject_delay, maybe_inject_fault
 from distrain.logger.reporter import RunReporter
@@ -173,6 +173,7 @@ def train(
                 failed=failure is not None,
                 consistent=consistent,
                 async_save_written=checkpointer.async_save_written(),
+                failed_waiting=failure is not None and is_collective_timeout(failure),
             )
         except AgreementTimeout as timeout:
             if failure is None:

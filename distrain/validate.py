@@ -19,9 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
-from distrain.parallelism.compile import SCOPES as COMPILE_SCOPES
 from distrain.parallelism.compile import backend_problem
-from distrain.parallelism.recompute import MODES as AC_MODES
 from distrain.precision.policy import autocast_supported
 
 # Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
@@ -94,11 +92,9 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         key = getattr(err, "full_key", None) or "config"
         raise ConfigError(key, "?", str(err).splitlines()[0]) from None
 
-    _check(cfg, "distributed.device", _one_of("auto", "cpu", "cuda"), "one of auto, cpu, cuda")
     device_type = target.device_type if target else resolve_device_type(cfg.distributed.device)
     if device_type == "cuda" and not target and not torch.cuda.is_available():
         raise ConfigError("distributed.device", "cuda", "no CUDA device is visible here; use auto or cpu")
-    _check(cfg, "distributed.backend", _one_of(None, "gloo", "nccl"), "one of gloo, nccl, or null (automatic)")
     if cfg.distributed.backend == "nccl" and device_type != "cuda":
         raise ConfigError("distributed.backend", "nccl", "nccl needs CUDA devices; use gloo on cpu")
     _check(
@@ -109,6 +105,11 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     )
     _check(cfg, "distributed.timeout_s", _positive, "a number of seconds > 0")
     _check(cfg, "distributed.max_restarts", _at_least(0), "an integer >= 0")
+    _check(cfg, "distributed.max_requeues", _at_least(0), "an integer >= 0")
+    _check(cfg, "monitor.straggler_threshold", _positive, "a fraction > 0 (0.5: 50% slower than the median)")
+    _check(cfg, "monitor.peak_flops", lambda v: v is None or v > 0, "FLOP/s > 0, or null (measured)")
+    _check(cfg, "monitor.profile_start_step", _at_least(0), "an integer >= 0")
+    _check(cfg, "monitor.profile_steps", _at_least(1), "an integer >= 1")
     _check(cfg, "distributed.threads_per_rank", lambda v: v is None or v >= 1, "an integer >= 1 (or null)")
 
     nproc = cfg.distributed.nproc_per_node
@@ -134,10 +135,11 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         _check(cfg, key, _at_least(1), "an integer >= 1")
     _check(cfg, "trainer.eval_every", _at_least(0), "an integer >= 0 (0: only at the end)")
     _check(cfg, "trainer.grad_clip_norm", _at_least(0), "a number >= 0 (0: no clipping)")
-    _check(cfg, "trainer.on_nonfinite", _one_of("stop", "skip"), "stop or skip")
     if cfg.trainer.on_nonfinite == "skip" and cfg.parallelism.name == "zero":
         raise ConfigError("trainer.on_nonfinite", "skip", "stop with parallelism=zero (DeepSpeed applies every step)")
 
+    for key in ("model.d_model", "model.n_layers", "model.vocab_size", "model.max_seq_len"):
+        _check(cfg, key, _at_least(1), "an integer >= 1")
     _check(cfg, "data.micro_batch_size", _at_least(1), "an integer >= 1 (sequences per rank per micro-step)")
     _check(
         cfg,
@@ -146,6 +148,9 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         f"1..model.max_seq_len ({cfg.model.max_seq_len})",
     )
     _check(cfg, "data.corpus.val_fraction", lambda v: 0 < v <= 0.5, "a fraction in (0, 0.5]")
+    for key in ("max_bytes", "num_tokens"):
+        if key in cfg.data.corpus:
+            _check(cfg, f"data.corpus.{key}", _at_least(1), "an integer >= 1")
     if "vocab_size" in cfg.data.corpus:
         _check(
             cfg,
@@ -154,8 +159,18 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
             f"2..model.vocab_size ({cfg.model.vocab_size})",
         )
 
-    for key in ("model.d_model", "model.n_layers", "model.vocab_size", "model.max_seq_len"):
-        _check(cfg, key, _at_least(1), "an integer >= 1")
+    for key in ("model.mlp_ratio", "model.hidden"):
+        if key.split(".")[1] in cfg.model:
+            _check(cfg, key, _at_least(1), "an integer >= 1")
+    if "dropout" in cfg.model:
+        _check(cfg, "model.dropout", lambda v: 0 <= v < 1, "a probability in [0, 1)")
+    largest_token = largest_token_id(cfg.data.corpus)
+    if largest_token >= cfg.model.vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            f"more than the data's largest token id ({largest_token})",
+        )
     if "n_heads" in cfg.model:
         _check(
             cfg,
@@ -168,16 +183,21 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     _check(cfg, "optimizer.weight_decay", _at_least(0), "a number >= 0")
     if "momentum" in cfg.optimizer:
         _check(cfg, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
+        if cfg.optimizer.nesterov and cfg.optimizer.momentum == 0:
+            raise ConfigError(
+                "optimizer.nesterov", True, "false when optimizer.momentum is 0 (Nesterov needs momentum)"
+            )
+    if "betas" in cfg.optimizer:
+        _check(
+            cfg,
+            "optimizer.betas",
+            lambda v: len(v) == 2 and all(0 <= beta < 1 for beta in v),
+            "two numbers in [0, 1), e.g. [0.9,0.95]",
+        )
+        _check(cfg, "optimizer.eps", _positive, "a number > 0")
     _check(cfg, "scheduler.warmup_steps", _at_least(0), "an integer >= 0")
-    _check(cfg, "scheduler.decay", _one_of("cosine", "linear", "constant"), "one of cosine, linear, constant")
     _check(cfg, "scheduler.min_lr_ratio", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 
-    _check(
-        cfg,
-        "precision.compute_dtype",
-        _one_of("float32", "bfloat16", "float16"),
-        "one of float32, bfloat16, float16",
-    )
     # A cuda target without a GPU here is assumed to be a current GPU (bf16 and fp16 autocast).
     probe_here = not target or device_type == "cpu" or torch.cuda.is_available()
     supported, reason = autocast_supported(device_type, cfg.precision.compute_dtype) if probe_here else (True, "")
@@ -186,6 +206,9 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
 
     _check(cfg, "comm.bucket_cap_mb", _positive, "a size in MiB > 0")
     _check(cfg, "checkpoint.every_n_steps", _at_least(0), "an integer >= 0 (0: no periodic checkpoints)")
+    _check(cfg, "checkpoint.dir", lambda v: v is None or not Path(v).is_file(), "a directory (this path is a file)")
+    if "path" in cfg.logger:
+        _check(cfg, "logger.path", lambda v: bool(v) and not Path(v).is_dir(), "a file path (not a directory)")
     _check(cfg, "checkpoint.keep_last", _at_least(0), "an integer >= 0 (0: keep all)")
     resume = cfg.checkpoint.resume
     problem = None if resume in ("never", "auto") else checkpoint_problem(Path(resume))
@@ -207,9 +230,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
             "checkpoints reshard, zero ones do not)",
         )
 
-    _check(cfg, "activation_checkpointing", _one_of(*AC_MODES), f"one of {', '.join(AC_MODES)}")
     _check(cfg, "activation_checkpointing_every", _at_least(1), "an integer >= 1 (every n-th block)")
-    _check(cfg, "compile_scope", _one_of(*COMPILE_SCOPES), f"one of {', '.join(COMPILE_SCOPES)}")
     if cfg.compile:
         problem = backend_problem(cfg.compile_backend, device_type)
         if problem:
@@ -225,6 +246,11 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
 
 
+def largest_token_id(corpus: DictConfig) -> int:
+    """The largest token id a corpus can hold, known from its config without reading it."""
+    return corpus.vocab_size - 1 if "vocab_size" in corpus else 255  # the stdlib corpus is bytes
+
+
 def _validate_comm(cfg: DictConfig, world_size: int) -> None:
     """Compression and hierarchical all-reduce are DDP communication hooks: only parallelism=ddp has them."""
     comm = cfg.comm
@@ -235,8 +261,6 @@ def _validate_comm(cfg: DictConfig, world_size: int) -> None:
             f"comm=default with parallelism={cfg.parallelism.name}; comm={comm.name} is a DDP communication hook "
             "and combines only with parallelism=ddp (zero, fsdp, pipeline, tensor and single have no DDP hooks)",
         )
-    if "dtype" in comm:
-        _check(cfg, "comm.dtype", _one_of("bfloat16", "float16"), "bfloat16 or float16")
     if comm.name == "powersgd" or "start_iter" in comm:
         _check(cfg, "comm.rank", _at_least(1), "an integer >= 1 (rank of the gradient approximation)")
         _check(cfg, "comm.start_iter", _at_least(2), "an integer >= 2 (DDP rebuilds its buckets after step 1)")
@@ -288,7 +312,6 @@ def _validate_sharding(cfg: DictConfig, device_type: str) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError("parallelism", "zero", "DeepSpeed is not installed (pip install deepspeed)")
         for option in ("offload_optimizer", "offload_param"):
-            _check(cfg, f"parallelism.{option}", _one_of("none", "cpu"), "none or cpu")
             if cfg.parallelism[option] != "none" and device_type != "cuda":
                 raise ConfigError(
                     f"parallelism.{option}", cfg.parallelism[option], "none on cpu (offload moves GPU state to CPU)"
@@ -299,15 +322,14 @@ def _validate_sharding(cfg: DictConfig, device_type: str) -> None:
             raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with DeepSpeed on cpu (no fp16 there)")
         for size in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
             _check(cfg, f"parallelism.{size}", _positive, "a number of elements > 0")
+        _check(cfg, "parallelism.stage3_max_live_parameters", _positive, "a number of elements > 0")
+        _check(cfg, "parallelism.stage3_param_persistence_threshold", _at_least(0), "a number of elements >= 0")
 
 
 def _validate_pipeline(cfg: DictConfig, world_size: int) -> None:
     """Schedule, stage count against blocks, micro-batch divisibility and split points; ``world_size``: the ranks
     of one pipeline."""
-    from distrain.parallelism.pipeline import SCHEDULES
-
     pp = cfg.parallelism
-    _check(cfg, "parallelism.schedule", _one_of(*SCHEDULES), f"one of {', '.join(SCHEDULES)}")
     _check(cfg, "parallelism.microbatches", _at_least(1), "an integer >= 1")
     virtual = pp.virtual_stages if pp.schedule == "interleaved" else 1
     if pp.schedule == "interleaved":
@@ -398,7 +420,6 @@ def _validate_hybrid(cfg: DictConfig, world_size: int) -> None:
             value,
             f"degrees whose product is the world size {world_size}: dp x tp x pp = {shown} x {hybrid.tp} x {hybrid.pp}",
         )
-    _check(cfg, "parallelism.dp_mode", _one_of("fsdp", "replicate"), "fsdp or replicate")
     if "n_heads" not in cfg.model:
         raise ConfigError("model", cfg.model._target_.rsplit(".", 1)[1], "a model with attention (gpt_*) for hybrid")
     if cfg.precision.compute_dtype == "float16":

@@ -40,7 +40,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True)
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
 def on_ranks(fn: Any, nprocs: int, *args: Any) -> dict[int, Any]:

@@ -59,8 +59,14 @@ def _importable(name: str) -> type | None:
 def load_tensors_and_values(path: Path, **kwargs: Any) -> Any:
     """``torch.load`` that accepts only tensors, plain values and ``DEEPSPEED_DATA_CLASSES``; raises
     ``UnsafeCheckpointError`` otherwise. ``kwargs`` go to ``torch.load`` (``map_location``, ``mmap``)."""
-    allowed = [cls for cls in map(_importable, DEEPSPEED_DATA_CLASSES) if cls is not None]
     try:
+        try:
+            return torch.load(path, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as err:
+            if "GLOBAL deepspeed." not in str(err):
+                raise
+        # DeepSpeed's records: imported only for its files (importing DeepSpeed is slow and prints).
+        allowed = [cls for cls in map(_importable, DEEPSPEED_DATA_CLASSES) if cls is not None]
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:

@@ -1,0 +1,58 @@
+"""Command-line overrides that Hydra cannot compose, refused in one line before Hydra prints its page.
+
+Hydra reports a composition error (a misspelt key, a value of the wrong type, a value outside an enum, a group
+option that does not exist) as several lines and exits 1. ``composition_error`` composes the same overrides first
+and turns the first such error into the line distrain prints for every config mistake: the key, the value, and
+what is allowed (train.py then exits 2).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf.errors import OmegaConfBaseException
+
+from distrain.config import register_configs
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def plain_overrides(argv: list[str]) -> list[str] | None:
+    """The ``key=value`` overrides of a single run (None for a multirun, a Hydra flag or a Hydra setting, which
+    Hydra handles itself)."""
+    if any(arg.startswith("-") for arg in argv):
+        return None
+    return [arg for arg in argv if not arg.lstrip("+~").startswith(("hydra.", "hydra/"))]
+
+
+def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str | None:
+    """Why Hydra cannot compose ``overrides`` (``key=value is not allowed: ...``), or None when it can."""
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except MissingConfigException as err:  # an option that is not in its group
+        group, _, option = (re.search(r"Could not find '([^']+)'", str(err)) or ["", "?"])[1].rpartition("/")
+        options = re.findall(r"^\t(\S+)$", str(err).split("Config search path")[0], flags=re.MULTILINE)
+        return f"{group}={option!r} is not allowed: one of {', '.join(options)}"
+    except (ConfigCompositionException, OverrideParseException) as err:
+        cause = err.__cause__
+        if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+            value = _override_value(overrides, cause.full_key)
+            reason = str(cause).splitlines()[0]
+            if "not in" in reason:
+                reason = f"no such key ({reason})"
+            return f"{cause.full_key}={value!r} is not allowed: {reason}"
+        return " ".join(str(err).split())
+    return None
+
+
+def _override_value(overrides: list[str], key: str) -> str:
+    for override in reversed(overrides):
+        name, _, value = override.lstrip("+~").partition("=")
+        if name == key:
+            return value
+    return "?"

@@ -1,0 +1,223 @@
+"""Every key of every config schema, and what refuses a wrong value of it, before any rank starts.
+
+``KEYS`` is the table: for each key, either a wrong value and the words of the one-line refusal that names the
+key, the value and what is allowed, or why no value of the key's type is wrong. Refusals come from three places:
+Hydra's composition (types and enums: ``distrain.overrides.composition_error``), ``distrain.validate.validate``
+(ranges, divisibility, lengths, combinations, the data against the model), and the dry-run planner (``target.*``).
+A schema key missing from the table fails ``test_every_schema_key_has_an_entry``.
+"""
+
+import dataclasses
+
+import pytest
+from helpers import FAST, compose_config
+
+from distrain.config import SCHEMAS, Config
+from distrain.dry_run import plan
+from distrain.overrides import composition_error
+from distrain.validate import ConfigError, validate
+
+
+def compose(*overrides):
+    return ("compose", overrides)
+
+
+def check(*overrides):
+    return ("validate", overrides)
+
+
+def planned(*overrides):
+    return ("plan", overrides)
+
+
+def free(reason):
+    return ("free", reason), None
+
+
+BOOL = free("a boolean: Hydra refuses anything that is not true or false")
+# key: ((how, overrides), words the refusal must contain), or ((free, why no value is wrong), None)
+KEYS = {
+    "model.vocab_size": (check("model.vocab_size=200"), "largest token id (255)"),
+    "model.max_seq_len": (check("model.max_seq_len=0"), ">= 1"),
+    "model.d_model": (check("model.d_model=0"), ">= 1"),
+    "model.n_layers": (check("model.n_layers=0"), ">= 1"),
+    "model.n_heads": (check("model.n_heads=3"), "a divisor of model.d_model"),
+    "model.mlp_ratio": (check("model.mlp_ratio=0"), ">= 1"),
+    "model.dropout": (check("model.dropout=1.5"), "[0, 1)"),
+    "model.hidden": (check("model=mlp", "model.hidden=0"), ">= 1"),
+    "data.micro_batch_size": (check("data.micro_batch_size=0"), ">= 1"),
+    "data.seq_len": (check("data.seq_len=64"), "1..model.max_seq_len (32)"),
+    "data.corpus.max_bytes": (check("data.corpus.max_bytes=0"), ">= 1"),
+    "data.corpus.val_fraction": (check("data.corpus.val_fraction=0.9"), "(0, 0.5]"),
+    "data.corpus.num_tokens": (check("data=synthetic", "data.corpus.num_tokens=0"), ">= 1"),
+    "data.corpus.vocab_size": (check("data=synthetic", "data.corpus.vocab_size=1000"), "2..model.vocab_size (256)"),
+    "data.corpus.seed": free("any integer seeds the synthetic tokens"),
+    "parallelism.name": free("set by each option's file; names the strategy in summaries"),
+    "parallelism.find_unused_parameters": BOOL,
+    "parallelism.stage": (check("parallelism=fsdp", "parallelism.stage=1"), "takes stage 2 or 3"),
+    "parallelism.cpu_offload": (check("parallelism=fsdp", "parallelism.cpu_offload=true"), "on cpu they are there"),
+    "parallelism.overlap_comm": BOOL,
+    "parallelism.contiguous_gradients": BOOL,
+    "parallelism.reduce_bucket_size": (check("parallelism=zero", "parallelism.reduce_bucket_size=0"), "> 0"),
+    "parallelism.allgather_bucket_size": (check("parallelism=zero", "parallelism.allgather_bucket_size=0"), "> 0"),
+    "parallelism.offload_optimizer": (
+        compose("parallelism=zero", "parallelism.offload_optimizer=disk"),
+        "expected one of [none, cpu]",
+    ),
+    "parallelism.offload_param": (compose("parallelism=zero", "parallelism.offload_param=nvme"), "[none, cpu]"),
+    "parallelism.stage3_prefetch_bucket_size": (
+        check("parallelism=zero", "parallelism.stage3_prefetch_bucket_size=-1"),
+        "> 0",
+    ),
+    "parallelism.stage3_param_persistence_threshold": (
+        check("parallelism=zero", "parallelism.stage3_param_persistence_threshold=-1"),
+        ">= 0",
+    ),
+    "parallelism.stage3_max_live_parameters": (
+        check("parallelism=zero", "parallelism.stage3_max_live_parameters=0"),
+        "> 0",
+    ),
+    "parallelism.schedule": (compose("parallelism=pipeline", "parallelism.schedule=zb"), "[gpipe, 1f1b, interleaved]"),
+    "parallelism.microbatches": (check("parallelism=pipeline", "parallelism.microbatches=3"), "a divisor of the 4"),
+    "parallelism.virtual_stages": (
+        check("parallelism=pipeline", "parallelism.schedule=interleaved", "parallelism.virtual_stages=1"),
+        ">= 2 with schedule=interleaved",
+    ),
+    "parallelism.split_points": (check("parallelism=pipeline", "parallelism.split_points=[5]"), "increasing"),
+    "parallelism.activation_checkpointing": (
+        check("parallelism=pipeline", "parallelism.activation_checkpointing=[7]"),
+        "stage indices in 0..1",
+    ),
+    "parallelism.sequence_parallel": (
+        check("parallelism=tensor", "parallelism.sequence_parallel=true", "data.seq_len=31"),
+        "a multiple of the 2 tensor-parallel ranks",
+    ),
+    "parallelism.loss_parallel": (
+        check("parallelism=tensor", "parallelism.loss_parallel=true", "model.vocab_size=257"),
+        "a multiple of the 2 tensor-parallel ranks",
+    ),
+    "parallelism.dp": (check("parallelism=hybrid", "parallelism.dp=3"), "product is the world size 2"),
+    "parallelism.tp": (check("parallelism=hybrid", "parallelism.tp=0"), ">= 1"),
+    "parallelism.pp": (check("parallelism=hybrid", "parallelism.pp=0"), ">= 1"),
+    "parallelism.dp_mode": (compose("parallelism=hybrid", "parallelism.dp_mode=zero"), "[fsdp, replicate]"),
+    "optimizer.lr": (check("optimizer.lr=0"), "> 0"),
+    "optimizer.betas": (check("optimizer.betas=[0.9,1.5]"), "two numbers in [0, 1)"),
+    "optimizer.eps": (check("optimizer.eps=0"), "> 0"),
+    "optimizer.weight_decay": (check("optimizer.weight_decay=-0.1"), ">= 0"),
+    "optimizer.momentum": (check("optimizer=sgd", "optimizer.momentum=1"), "[0, 1)"),
+    "optimizer.nesterov": (check("optimizer=sgd", "optimizer.nesterov=true", "optimizer.momentum=0"), "needs momentum"),
+    "precision.name": free("set by each option's file; names the precision in summaries"),
+    "precision.compute_dtype": (compose("precision.compute_dtype=float64"), "[float32, bfloat16, float16]"),
+    "precision.grad_scaler": BOOL,
+    "comm.name": free("set by each option's file; the strategies check the option (comm=...) it names"),
+    "comm.bucket_cap_mb": (check("comm.bucket_cap_mb=0"), "> 0"),
+    "comm.gradient_as_bucket_view": BOOL,
+    "comm.static_graph": BOOL,
+    "comm.dtype": (compose("comm=bf16", "comm.dtype=float8"), "[bfloat16, float16]"),
+    "comm.rank": (check("comm=powersgd", "comm.rank=0"), ">= 1"),
+    "comm.start_iter": (check("comm=powersgd", "comm.start_iter=1"), ">= 2"),
+    "comm.min_compression_rate": (check("comm=powersgd", "comm.min_compression_rate=0"), "> 0"),
+    "comm.error_feedback": BOOL,
+    "comm.warm_start": BOOL,
+    "comm.density": (check("comm=topk", "comm.density=0"), "(0, 1]"),
+    "comm.warmup_steps": (check("comm=topk", "comm.warmup_steps=-1"), ">= 0"),
+    "comm.warmup_start_density": (check("comm=topk", "comm.warmup_start_density=2"), "[comm.density (0.01), 1]"),
+    "comm.momentum": (check("comm=topk", "comm.momentum=0.9"), "optimizer=sgd optimizer.momentum=0"),
+    "comm.ranks_per_node": (check("comm=hierarchical", "comm.ranks_per_node=3"), "a divisor of the world size"),
+    "checkpoint.every_n_steps": (check("checkpoint.every_n_steps=-1"), ">= 0"),
+    "checkpoint.keep_last": (check("checkpoint.keep_last=-1"), ">= 0"),
+    "checkpoint.dir": (check("checkpoint.dir=/etc/hostname"), "a directory (this path is a file)"),
+    "checkpoint.save_final": BOOL,
+    "checkpoint.resume": (check("checkpoint.resume=/nonexistent/step_00000001"), "never, auto, or a valid step_*"),
+    "checkpoint.async_save": (check("parallelism=zero", "checkpoint.async_save=true"), "DeepSpeed saves"),
+    "checkpoint.emergency": BOOL,
+    "checkpoint.emergency_timeout_s": (check("checkpoint.emergency_timeout_s=0"), "> 0"),
+    "logger.path": (check("logger=jsonl", "logger.path=/tmp"), "a file path (not a directory)"),
+    "logger.project": free("any W&B project name"),
+    "logger.entity": free("any W&B entity, or null"),
+    "logger.group": free("any group name, or null"),
+    "logger.tags": free("any list of strings"),
+    "logger.name": free("any run name, or null"),
+    "logger.mode": (compose("logger=wandb", "logger.mode=cloud"), "[auto, online, offline, disabled]"),
+    "scheduler.warmup_steps": (check("scheduler.warmup_steps=-1"), ">= 0"),
+    "scheduler.decay": (compose("scheduler.decay=exp"), "[cosine, linear, constant]"),
+    "scheduler.min_lr_ratio": (check("scheduler.min_lr_ratio=2"), "[0, 1]"),
+    "trainer.max_steps": (check("trainer.max_steps=0"), ">= 1"),
+    "trainer.seed": free("any integer"),
+    "trainer.grad_accum_steps": (check("trainer.grad_accum_steps=0"), ">= 1"),
+    "trainer.grad_clip_norm": (check("trainer.grad_clip_norm=-1"), ">= 0"),
+    "trainer.on_nonfinite": (compose("trainer.on_nonfinite=ignore"), "[stop, skip]"),
+    "trainer.log_every": (check("trainer.log_every=0"), ">= 1"),
+    "trainer.eval_every": (check("trainer.eval_every=-1"), ">= 0"),
+    "trainer.eval_batches": (check("trainer.eval_batches=0"), ">= 1"),
+    "trainer.progress_bar": BOOL,
+    "distributed.nproc_per_node": (check("distributed.nproc_per_node=0"), ">= 1"),
+    "distributed.device": (compose("distributed.device=tpu"), "[auto, cpu, cuda]"),
+    "distributed.backend": (compose("distributed.backend=mpi"), "[gloo, nccl]"),
+    "distributed.timeout_s": (check("distributed.timeout_s=0"), "> 0"),
+    "distributed.max_restarts": (check("distributed.max_restarts=-1"), ">= 0"),
+    "distributed.max_requeues": (check("distributed.max_requeues=-1"), ">= 0"),
+    "distributed.threads_per_rank": (check("distributed.threads_per_rank=0"), ">= 1"),
+    "monitor.straggler_threshold": (check("monitor.straggler_threshold=0"), "> 0"),
+    "monitor.peak_flops": (check("monitor.peak_flops=-1"), "> 0, or null"),
+    "monitor.profile_start_step": (check("monitor.profile_start_step=-1"), ">= 0"),
+    "monitor.profile_steps": (check("monitor.profile_steps=0"), ">= 1"),
+    "profile": BOOL,
+    "stage": (check("stage=3"), "takes no stage"),
+    "activation_checkpointing": (compose("activation_checkpointing=some"), "[none, full, selective]"),
+    "activation_checkpointing_every": (check("activation_checkpointing_every=0"), ">= 1"),
+    "compile": BOOL,
+    "compile_scope": (compose("compile_scope=layers"), "[blocks, model]"),
+    "compile_backend": (check("compile=true", "compile_backend=turbo"), "inductor"),
+    "dry_run": BOOL,
+    "target.nodes": (planned("target.nodes=0"), ">= 1"),
+    "target.ranks_per_node": (planned("target.ranks_per_node=0"), ">= 1"),
+    "target.device": (compose("target.device=tpu"), "[cpu, cuda]"),
+    "target.device_memory_gib": (planned("target.device_memory_gib=-1"), "> 0"),
+}
+
+
+def schema_keys(cls, prefix=""):
+    for entry in dataclasses.fields(cls):
+        if entry.name.startswith("_"):
+            continue
+        default = entry.default_factory() if entry.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            yield from schema_keys(type(default), f"{prefix}{entry.name}.")
+        else:
+            yield prefix + entry.name
+
+
+def every_schema_key():
+    keys = {key for key in schema_keys(Config) if key.split(".")[0] not in SCHEMAS}
+    for group, schemas in SCHEMAS.items():
+        keys |= {f"{group}.{key}" for schema in schemas.values() for key in schema_keys(schema, "")}
+    return keys - {"scheduler", "precision", "checkpoint"}
+
+
+def test_every_schema_key_has_an_entry():
+    missing = sorted(every_schema_key() - KEYS.keys())
+    assert not missing, f"schema keys without a check in KEYS: {missing}"
+    assert not sorted(KEYS.keys() - every_schema_key()), "KEYS names keys no schema has"
+
+
+CHECKED = sorted((key, how, allowed) for key, ((how, _), allowed) in KEYS.items() if how != "free")
+
+
+@pytest.mark.parametrize("key,how,allowed", CHECKED)
+def test_a_wrong_value_is_refused_naming_the_key_and_what_is_allowed(key, how, allowed):
+    extra = KEYS[key][0][1]
+    # The synthetic corpus has no max_bytes (FAST's stdlib setting).
+    base = [o for o in FAST if not ("data=synthetic" in extra and o.startswith("data.corpus."))]
+    overrides = [*base, *extra]
+    if how == "compose":
+        problem = composition_error(overrides)
+        assert problem is not None and problem.startswith(f"{key}=") and allowed in problem, problem
+        return
+    cfg = compose_config([*overrides, *(["dry_run=true"] if how == "plan" else [])])
+    with pytest.raises(ConfigError) as refused:
+        plan(cfg) if how == "plan" else validate(cfg)
+    # A combination is refused naming the key whose value breaks it (e.g. data.seq_len with sequence_parallel).
+    named = {key, key.split(".")[0], *(o.split("=")[0] for o in extra)}
+    assert refused.value.key in named and allowed in str(refused.value), str(refused.value)
+    assert f"{refused.value.key}=" in str(refused.value)
