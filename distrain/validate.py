@@ -75,10 +75,6 @@ def _positive(value: Any) -> bool:
     return value is not None and value > 0
 
 
-def _one_of(*options: Any) -> Callable[[Any], bool]:
-    return lambda value: value in options
-
-
 def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     """Raise ``ConfigError`` for the first invalid value; return the resolved launch plan.
 
@@ -106,10 +102,6 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     _check(cfg, "distributed.timeout_s", _positive, "a number of seconds > 0")
     _check(cfg, "distributed.max_restarts", _at_least(0), "an integer >= 0")
     _check(cfg, "distributed.max_requeues", _at_least(0), "an integer >= 0")
-    _check(cfg, "monitor.straggler_threshold", _positive, "a fraction > 0 (0.5: 50% slower than the median)")
-    _check(cfg, "monitor.peak_flops", lambda v: v is None or v > 0, "FLOP/s > 0, or null (measured)")
-    _check(cfg, "monitor.profile_start_step", _at_least(0), "an integer >= 0")
-    _check(cfg, "monitor.profile_steps", _at_least(1), "an integer >= 1")
     _check(cfg, "distributed.threads_per_rank", lambda v: v is None or v >= 1, "an integer >= 1 (or null)")
 
     nproc = cfg.distributed.nproc_per_node
@@ -131,6 +123,38 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     if device_type == "cuda" and not target and nproc > torch.cuda.device_count():
         raise ConfigError("distributed.nproc_per_node", nproc, f"at most the {torch.cuda.device_count()} visible GPUs")
 
+    _validate_training(cfg)
+    _validate_model_and_data(cfg)
+    # A cuda target without a GPU here is assumed to be a current GPU (bf16 and fp16 autocast).
+    probe_here = not target or device_type == "cpu" or torch.cuda.is_available()
+    supported, reason = autocast_supported(device_type, cfg.precision.compute_dtype) if probe_here else (True, "")
+    if not supported:
+        raise ConfigError("precision", cfg.precision.name, f"not available on {device_type}: {reason}")
+
+    _check(cfg, "comm.bucket_cap_mb", _positive, "a size in MiB > 0")
+    if target:
+        world_size = target.world_size
+    else:
+        world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else nproc
+    _validate_checkpoint(cfg, world_size)
+    _check(cfg, "activation_checkpointing_every", _at_least(1), "an integer >= 1 (every n-th block)")
+    if cfg.compile:
+        problem = backend_problem(cfg.compile_backend, device_type)
+        if problem:
+            raise ConfigError("compile_backend", cfg.compile_backend, problem)
+    _validate_comm(cfg, world_size)
+    _validate_sharding(cfg, device_type)
+    if cfg.parallelism.name == "pipeline":
+        _validate_pipeline(cfg, world_size)
+    if cfg.parallelism.name == "tensor":
+        _validate_tensor(cfg, world_size)
+    if cfg.parallelism.name == "hybrid":
+        _validate_hybrid(cfg, world_size)
+    return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
+
+
+def _validate_training(cfg: DictConfig) -> None:
+    """Steps, logging, clipping, the optimizer, the schedule and the monitor."""
     for key in ("trainer.max_steps", "trainer.grad_accum_steps", "trainer.log_every", "trainer.eval_batches"):
         _check(cfg, key, _at_least(1), "an integer >= 1")
     _check(cfg, "trainer.eval_every", _at_least(0), "an integer >= 0 (0: only at the end)")
@@ -138,6 +162,33 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     if cfg.trainer.on_nonfinite == "skip" and cfg.parallelism.name == "zero":
         raise ConfigError("trainer.on_nonfinite", "skip", "stop with parallelism=zero (DeepSpeed applies every step)")
 
+    _check(cfg, "optimizer.lr", _positive, "a learning rate > 0")
+    _check(cfg, "optimizer.weight_decay", _at_least(0), "a number >= 0")
+    if "momentum" in cfg.optimizer:
+        _check(cfg, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
+        if cfg.optimizer.nesterov and cfg.optimizer.momentum == 0:
+            raise ConfigError(
+                "optimizer.nesterov", True, "false when optimizer.momentum is 0 (Nesterov needs momentum)"
+            )
+    if "betas" in cfg.optimizer:
+        _check(
+            cfg,
+            "optimizer.betas",
+            lambda v: len(v) == 2 and all(0 <= beta < 1 for beta in v),
+            "two numbers in [0, 1), e.g. [0.9,0.95]",
+        )
+        _check(cfg, "optimizer.eps", _positive, "a number > 0")
+    _check(cfg, "scheduler.warmup_steps", _at_least(0), "an integer >= 0")
+    _check(cfg, "scheduler.min_lr_ratio", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+
+    _check(cfg, "monitor.straggler_threshold", _positive, "a fraction > 0 (0.5: 50% slower than the median)")
+    _check(cfg, "monitor.peak_flops", lambda v: v is None or v > 0, "FLOP/s > 0, or null (measured)")
+    _check(cfg, "monitor.profile_start_step", _at_least(0), "an integer >= 0")
+    _check(cfg, "monitor.profile_steps", _at_least(1), "an integer >= 1")
+
+
+def _validate_model_and_data(cfg: DictConfig) -> None:
+    """Model sizes, the data's shape, and the data against the model (sequence length, largest token id)."""
     for key in ("model.d_model", "model.n_layers", "model.vocab_size", "model.max_seq_len"):
         _check(cfg, key, _at_least(1), "an integer >= 1")
     _check(cfg, "data.micro_batch_size", _at_least(1), "an integer >= 1 (sequences per rank per micro-step)")
@@ -179,32 +230,9 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
             f"a divisor of model.d_model ({cfg.model.d_model})",
         )
 
-    _check(cfg, "optimizer.lr", _positive, "a learning rate > 0")
-    _check(cfg, "optimizer.weight_decay", _at_least(0), "a number >= 0")
-    if "momentum" in cfg.optimizer:
-        _check(cfg, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
-        if cfg.optimizer.nesterov and cfg.optimizer.momentum == 0:
-            raise ConfigError(
-                "optimizer.nesterov", True, "false when optimizer.momentum is 0 (Nesterov needs momentum)"
-            )
-    if "betas" in cfg.optimizer:
-        _check(
-            cfg,
-            "optimizer.betas",
-            lambda v: len(v) == 2 and all(0 <= beta < 1 for beta in v),
-            "two numbers in [0, 1), e.g. [0.9,0.95]",
-        )
-        _check(cfg, "optimizer.eps", _positive, "a number > 0")
-    _check(cfg, "scheduler.warmup_steps", _at_least(0), "an integer >= 0")
-    _check(cfg, "scheduler.min_lr_ratio", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 
-    # A cuda target without a GPU here is assumed to be a current GPU (bf16 and fp16 autocast).
-    probe_here = not target or device_type == "cpu" or torch.cuda.is_available()
-    supported, reason = autocast_supported(device_type, cfg.precision.compute_dtype) if probe_here else (True, "")
-    if not supported:
-        raise ConfigError("precision", cfg.precision.name, f"not available on {device_type}: {reason}")
-
-    _check(cfg, "comm.bucket_cap_mb", _positive, "a size in MiB > 0")
+def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
+    """Periods, paths, the checkpoint to resume from (its files, and for zero its world size), async saves."""
     _check(cfg, "checkpoint.every_n_steps", _at_least(0), "an integer >= 0 (0: no periodic checkpoints)")
     _check(cfg, "checkpoint.dir", lambda v: v is None or not Path(v).is_file(), "a directory (this path is a file)")
     if "path" in cfg.logger:
@@ -217,10 +245,6 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     _check(cfg, "checkpoint.emergency_timeout_s", _positive, "a number of seconds > 0")
     if cfg.checkpoint.async_save and cfg.parallelism.name == "zero":
         raise ConfigError("checkpoint.async_save", True, "false with parallelism=zero (DeepSpeed saves synchronously)")
-    if target:
-        world_size = target.world_size
-    else:
-        world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else nproc
     saved_world_size = None if resume in ("never", "auto") else checkpoint_world_size(Path(resume))
     if cfg.parallelism.name == "zero" and saved_world_size not in (None, world_size):
         raise ConfigError(
@@ -229,21 +253,6 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
             f"a zero checkpoint saved by {world_size} ranks (it was saved by {saved_world_size}; ddp and fsdp "
             "checkpoints reshard, zero ones do not)",
         )
-
-    _check(cfg, "activation_checkpointing_every", _at_least(1), "an integer >= 1 (every n-th block)")
-    if cfg.compile:
-        problem = backend_problem(cfg.compile_backend, device_type)
-        if problem:
-            raise ConfigError("compile_backend", cfg.compile_backend, problem)
-    _validate_comm(cfg, world_size)
-    _validate_sharding(cfg, device_type)
-    if cfg.parallelism.name == "pipeline":
-        _validate_pipeline(cfg, world_size)
-    if cfg.parallelism.name == "tensor":
-        _validate_tensor(cfg, world_size)
-    if cfg.parallelism.name == "hybrid":
-        _validate_hybrid(cfg, world_size)
-    return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
 
 
 def largest_token_id(corpus: DictConfig) -> int:
