@@ -1,0 +1,33 @@
+"""The one-line refusal of a config value, and the small predicates the checks are written with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration value that is not allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r} is not allowed: {allowed}")
+
+
+def check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -> None:
+    """Raise ``ConfigError(key, value, allowed)`` unless ``ok(value)`` for the value at ``key``."""
+    value = OmegaConf.select(cfg, key)
+    if not ok(value):
+        raise ConfigError(key, value, allowed)
+
+
+def at_least(minimum: float) -> Callable[[Any], bool]:
+    """A predicate: set and at least ``minimum``."""
+    return lambda value: value is not None and value >= minimum
+
+
+def positive(value: Any) -> bool:
+    """Set and greater than zero."""
+    return value is not None and value > 0

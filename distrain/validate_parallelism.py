@@ -1,0 +1,203 @@
+"""Checks of the parallelism and communication options against the world size, the model and each other.
+
+Called by ``distrain.validate.validate`` once the world size is known (the job's, or a dry run's target).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from omegaconf import DictConfig
+
+from distrain.config_checks import ConfigError, at_least, check, positive
+
+# Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
+STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3), "hybrid": (2, 3)}
+
+
+def validate_comm(cfg: DictConfig, world_size: int) -> None:
+    """Compression and hierarchical all-reduce are DDP communication hooks: only parallelism=ddp has them."""
+    comm = cfg.comm
+    if comm.name != "default" and cfg.parallelism.name != "ddp":
+        raise ConfigError(
+            "comm",
+            comm.name,
+            f"comm=default with parallelism={cfg.parallelism.name}; comm={comm.name} is a DDP communication hook "
+            "and combines only with parallelism=ddp (zero, fsdp, pipeline, tensor and single have no DDP hooks)",
+        )
+    if comm.name == "powersgd" or "start_iter" in comm:
+        check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the gradient approximation)")
+        check(cfg, "comm.start_iter", at_least(2), "an integer >= 2 (DDP rebuilds its buckets after step 1)")
+        check(cfg, "comm.min_compression_rate", positive, "a number > 0")
+    if "density" in comm:
+        check(cfg, "comm.density", lambda v: v is not None and 0 < v <= 1, "a fraction in (0, 1]")
+        check(cfg, "comm.warmup_steps", at_least(0), "an integer >= 0")
+        check(
+            cfg,
+            "comm.warmup_start_density",
+            lambda v: v is not None and comm.density <= v <= 1,
+            f"a fraction in [comm.density ({comm.density}), 1]",
+        )
+        check(cfg, "comm.momentum", lambda v: v is not None and 0 <= v < 1, "a number in [0, 1)")
+        uses_momentum = cfg.optimizer._target_.endswith(".sgd") and cfg.optimizer.momentum == 0
+        if comm.momentum > 0 and not uses_momentum:
+            raise ConfigError(
+                "comm.momentum",
+                comm.momentum,
+                "0 unless optimizer=sgd optimizer.momentum=0 (momentum correction moves momentum into the compressor)",
+            )
+    if "ranks_per_node" in comm and comm.ranks_per_node is not None:
+        check(
+            cfg,
+            "comm.ranks_per_node",
+            lambda v: v >= 1 and world_size % v == 0,
+            f"a divisor of the world size ({world_size}), or null for the launcher's ranks per node",
+        )
+
+
+def validate_sharding(cfg: DictConfig, device_type: str) -> None:
+    """Stages, offload and precision for the sharded strategies (zero, fsdp)."""
+    strategy = cfg.parallelism.name
+    takers = ", ".join(f"parallelism={name} ({'/'.join(map(str, st))})" for name, st in STAGES.items())
+    if strategy not in STAGES:
+        if cfg.stage is not None:
+            raise ConfigError("stage", cfg.stage, f"parallelism={strategy} takes no stage; stages apply to {takers}")
+        return
+    stage = cfg.parallelism.stage
+    key = "stage" if cfg.stage is not None else "parallelism.stage"
+    if stage not in STAGES[strategy]:
+        allowed = " or ".join(map(str, STAGES[strategy]))
+        raise ConfigError(key, stage, f"parallelism={strategy} takes stage {allowed}")
+    if strategy == "fsdp" and cfg.parallelism.cpu_offload and device_type != "cuda":
+        raise ConfigError(
+            "parallelism.cpu_offload", True, "offload moves shards from GPU to CPU memory; on cpu they are there"
+        )
+    if strategy == "zero":
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError("parallelism", "zero", "DeepSpeed is not installed (pip install deepspeed)")
+        for option in ("offload_optimizer", "offload_param"):
+            if cfg.parallelism[option] != "none" and device_type != "cuda":
+                raise ConfigError(
+                    f"parallelism.{option}", cfg.parallelism[option], "none on cpu (offload moves GPU state to CPU)"
+                )
+        if cfg.parallelism.offload_param != "none" and stage != 3:
+            raise ConfigError("parallelism.offload_param", cfg.parallelism.offload_param, "none below stage 3")
+        if device_type == "cpu" and cfg.precision.compute_dtype == "float16":
+            raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with DeepSpeed on cpu (no fp16 there)")
+        for size in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+            check(cfg, f"parallelism.{size}", positive, "a number of elements > 0")
+        check(cfg, "parallelism.stage3_max_live_parameters", positive, "a number of elements > 0")
+        check(cfg, "parallelism.stage3_param_persistence_threshold", at_least(0), "a number of elements >= 0")
+
+
+def validate_pipeline(cfg: DictConfig, world_size: int) -> None:
+    """Schedule, stage count against blocks, micro-batch divisibility and split points; ``world_size``: the ranks
+    of one pipeline."""
+    pp = cfg.parallelism
+    check(cfg, "parallelism.microbatches", at_least(1), "an integer >= 1")
+    virtual = pp.virtual_stages if pp.schedule == "interleaved" else 1
+    if pp.schedule == "interleaved":
+        check(cfg, "parallelism.virtual_stages", at_least(2), "an integer >= 2 with schedule=interleaved")
+        if pp.microbatches % world_size:
+            raise ConfigError(
+                "parallelism.microbatches", pp.microbatches, f"a multiple of the {world_size} ranks with interleaved"
+            )
+    stages = world_size * virtual
+    if stages > cfg.model.n_layers:
+        raise ConfigError(
+            "parallelism",
+            cfg.parallelism.name,
+            f"at most model.n_layers ({cfg.model.n_layers}) stages; {world_size} ranks x {virtual} virtual stages "
+            f"= {stages}",
+        )
+    sequences = cfg.data.micro_batch_size * cfg.trainer.grad_accum_steps
+    if sequences % pp.microbatches:
+        raise ConfigError(
+            "parallelism.microbatches",
+            pp.microbatches,
+            f"a divisor of the {sequences} sequences per step (data.micro_batch_size x trainer.grad_accum_steps)",
+        )
+    points = list(pp.split_points)
+    increasing = points == sorted(set(points)) and all(0 < point < cfg.model.n_layers for point in points)
+    if points and (len(points) != stages - 1 or not increasing):
+        raise ConfigError(
+            "parallelism.split_points",
+            points,
+            f"{stages - 1} increasing block indices in 1..{cfg.model.n_layers - 1} (empty: balanced)",
+        )
+    recompute = list(pp.activation_checkpointing)
+    if any(not 0 <= stage < stages for stage in recompute):
+        raise ConfigError(
+            "parallelism.activation_checkpointing", recompute, f"stage indices in 0..{stages - 1} (empty: none)"
+        )
+    if cfg.precision.compute_dtype == "float16":
+        raise ConfigError(
+            "precision", cfg.precision.name, f"fp32 or bf16 with parallelism={cfg.parallelism.name} (no loss scaler)"
+        )
+    if cfg.trainer.on_nonfinite == "skip":
+        raise ConfigError("trainer.on_nonfinite", "skip", f"stop with parallelism={cfg.parallelism.name} pipelines")
+    if cfg.checkpoint.async_save:
+        raise ConfigError("checkpoint.async_save", True, f"false with parallelism={cfg.parallelism.name}")
+
+
+def validate_tensor(cfg: DictConfig, world_size: int) -> None:
+    """Heads and MLP width must split evenly over the ranks."""
+    if "n_heads" not in cfg.model:
+        raise ConfigError("model", cfg.model._target_.rsplit(".", 1)[1], "a model with attention (gpt_*) for tensor")
+    if cfg.model.n_heads % world_size:
+        raise ConfigError(
+            "model.n_heads", cfg.model.n_heads, f"a multiple of the {world_size} tensor-parallel ranks (tp)"
+        )
+    if cfg.model.mlp_ratio * cfg.model.d_model % world_size:
+        raise ConfigError(
+            "model.mlp_ratio", cfg.model.mlp_ratio, f"mlp_ratio x d_model divisible by {world_size} ranks"
+        )
+    if cfg.checkpoint.async_save:
+        raise ConfigError("checkpoint.async_save", True, f"false with parallelism={cfg.parallelism.name}")
+    if cfg.parallelism.sequence_parallel and cfg.data.seq_len % world_size:
+        raise ConfigError(
+            "data.seq_len",
+            cfg.data.seq_len,
+            f"a multiple of the {world_size} tensor-parallel ranks with sequence_parallel",
+        )
+    if cfg.parallelism.loss_parallel and cfg.model.vocab_size % world_size:
+        raise ConfigError(
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            f"a multiple of the {world_size} tensor-parallel ranks with loss_parallel",
+        )
+
+
+def validate_hybrid(cfg: DictConfig, world_size: int) -> None:
+    """Degrees against the world size, then the tensor and pipeline rules for their own axes."""
+    hybrid = cfg.parallelism
+    check(cfg, "parallelism.tp", at_least(1), "an integer >= 1")
+    check(cfg, "parallelism.pp", at_least(1), "an integer >= 1")
+    if hybrid.dp != -1:
+        check(cfg, "parallelism.dp", at_least(1), "an integer >= 1, or -1 for world size / (tp x pp)")
+    dp = world_size // (hybrid.tp * hybrid.pp) if hybrid.dp == -1 else hybrid.dp
+    if dp * hybrid.tp * hybrid.pp != world_size or dp < 1:
+        key, value = ("parallelism.dp", hybrid.dp) if hybrid.dp != -1 else ("parallelism.tp", hybrid.tp)
+        shown = "world size / (tp x pp)" if hybrid.dp == -1 else str(hybrid.dp)
+        raise ConfigError(
+            key,
+            value,
+            f"degrees whose product is the world size {world_size}: dp x tp x pp = {shown} x {hybrid.tp} x {hybrid.pp}",
+        )
+    if "n_heads" not in cfg.model:
+        raise ConfigError("model", cfg.model._target_.rsplit(".", 1)[1], "a model with attention (gpt_*) for hybrid")
+    if cfg.precision.compute_dtype == "float16":
+        raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=hybrid (no loss scaler)")
+    if hybrid.tp > 1:
+        validate_tensor(cfg, hybrid.tp)
+    if hybrid.pp == 1 and hybrid.activation_checkpointing:
+        raise ConfigError(
+            "parallelism.activation_checkpointing", list(hybrid.activation_checkpointing), "[] with pp=1 (per stage)"
+        )
+    if hybrid.pp > 1:
+        validate_pipeline(cfg, hybrid.pp)
+        for option in ("sequence_parallel", "loss_parallel"):
+            if hybrid[option]:
+                raise ConfigError(f"parallelism.{option}", True, "false with parallelism.pp > 1 (whole models only)")
+    if cfg.checkpoint.async_save:
+        raise ConfigError("checkpoint.async_save", True, "false with parallelism=hybrid")
