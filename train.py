@@ -75,7 +75,7 @@ register_configs()
 warnings.filterwarnings("ignore", message=".*is validated against ConfigStore schema with the same name")
 
 PEER_FAILURE_GRACE_S = 5.0
-RUN_ERROR_FILE = "run_error.txt"  # in the run directory: the last RunError a rank raised, for the one-line report
+RUN_ERROR_FILE = "run_error_rank{rank}.txt"  # in the run directory: a RunError the rank raised, for the report
 log = logging.getLogger("distrain.train")
 
 
@@ -261,7 +261,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         return summary
     except RunError as err:
         # The launcher may report another rank first (one this rank ended); the launching process reads this file.
-        (Path(run_dir) / RUN_ERROR_FILE).write_text(str(err))
+        (Path(run_dir) / RUN_ERROR_FILE.format(rank=env.rank)).write_text(str(err))
         raise
     except Exception as err:
         if is_peer_failure(err):
@@ -325,7 +325,8 @@ def main(cfg: DictConfig) -> float | None:
 
 def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], checkpoint_dir: str) -> float | None:
     """Start the ranks and report how they ended; returns the final validation loss."""
-    (Path(rank_args[1]) / RUN_ERROR_FILE).unlink(missing_ok=True)
+    for stale in Path(rank_args[1]).glob(RUN_ERROR_FILE.format(rank="*")):
+        stale.unlink()
     try:
         results = run_ranks(
             build_and_train,
@@ -366,8 +367,8 @@ def failure_line(err: ChildFailedError, run_dir: str) -> str | None:
         line = run_error_line(message)
         if line:
             return line
-    recorded = Path(run_dir) / RUN_ERROR_FILE
-    return recorded.read_text() if recorded.is_file() else None
+    recorded = sorted(Path(run_dir).glob(RUN_ERROR_FILE.format(rank="*")))
+    return recorded[0].read_text() if recorded else None
 
 
 def run_group(hydra_cfg: DictConfig) -> str | None:

@@ -24,13 +24,12 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from distrain.data.sampler import GlobalBatchSampler, TokenWindows
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node
 from distrain.parallelism.memory import optimizer_state_bytes_per_param
 from distrain.parallelism.planning import RankMemory, Workload, predict_rank_memory
 from distrain.parallelism.recompute import apply_activation_checkpointing
-from distrain.validate import ConfigError, Target, validate
+from distrain.validate import ConfigError, Target, data_parallel_degree, validate, validate_data_fits
 
 GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 80.0  # a cuda target without a GPU here: an 80 GB A100/H100
@@ -174,20 +173,8 @@ def plan(cfg: DictConfig) -> DryRunReport:
     finally:
         dist.destroy_process_group()
         _forget_destroyed_meshes()
-    data_parallel = _data_parallel_degree(cfg, target.world_size)
-    corpus = instantiate(cfg.data.corpus)
-    try:
-        sampler = GlobalBatchSampler(
-            num_samples=len(TokenWindows(corpus.train, cfg.data.seq_len)),
-            micro_batch_size=cfg.data.micro_batch_size,
-            grad_accum_steps=cfg.trainer.grad_accum_steps,
-            dp_rank=0,
-            dp_size=data_parallel,
-            seed=0,
-        )
-    except ValueError as err:
-        allowed = f"a smaller global batch: {err}"
-        raise ConfigError("data.micro_batch_size", cfg.data.micro_batch_size, allowed) from None
+    data_parallel = data_parallel_degree(cfg, target.world_size)
+    sampler = validate_data_fits(cfg, target.world_size)  # validate() checked it; the sampler sizes the report
     return DryRunReport(
         target=target,
         parallelism=cfg.parallelism.name,
@@ -229,14 +216,3 @@ def _model_with_recomputation(cfg: DictConfig) -> torch.nn.Module:
     model = instantiate(cfg.model)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
     return model
-
-
-def _data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
-    """Ranks reading different data: all of them for ddp, zero, fsdp; none for tensor and pipeline; dp for hybrid."""
-    name = cfg.parallelism.name
-    if name in ("tensor", "pipeline"):
-        return 1
-    if name == "hybrid":
-        hybrid = cfg.parallelism
-        return hybrid.dp if hybrid.dp != -1 else world_size // (hybrid.tp * hybrid.pp)
-    return world_size

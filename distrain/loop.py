@@ -175,9 +175,7 @@ def train(
                 async_save_written=checkpointer.async_save_written(),
                 failed_waiting=failure is not None and is_collective_timeout(failure),
             )
-        except AgreementTimeout as timeout:
-            if failure is None:
-                raise
+        except AgreementTimeout as timeout:  # raised on failed ranks only
             log.error("no emergency checkpoint: %s", timeout)
             raise failure from timeout
         if verdict.failed_rank is not None:

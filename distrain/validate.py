@@ -11,10 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.config_checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
+from distrain.data.corpus import CorpusTooSmall
+from distrain.data.sampler import GlobalBatchSampler, TokenWindows
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.parallelism.compile import backend_problem
@@ -122,6 +126,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         problem = backend_problem(cfg.compile_backend, device_type)
         if problem:
             raise ConfigError("compile_backend", cfg.compile_backend, problem)
+    validate_data_fits(cfg, world_size)
     validate_comm(cfg, world_size)
     validate_sharding(cfg, device_type)
     if cfg.parallelism.name == "pipeline":
@@ -238,3 +243,52 @@ def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
 def largest_token_id(corpus: DictConfig) -> int:
     """The largest token id a corpus can hold, known from its config without reading it."""
     return corpus.vocab_size - 1 if "vocab_size" in corpus else 255  # the stdlib corpus is bytes
+
+
+def data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
+    """Ranks reading different data: all of them for ddp, zero, fsdp; none for tensor and pipeline; dp for hybrid."""
+    name = cfg.parallelism.name
+    if name in ("tensor", "pipeline"):
+        return 1
+    if name == "hybrid":
+        hybrid = cfg.parallelism
+        return hybrid.dp if hybrid.dp != -1 else world_size // (hybrid.tp * hybrid.pp)
+    return world_size
+
+
+def validate_data_fits(cfg: DictConfig, world_size: int) -> GlobalBatchSampler:
+    """The corpus holds one global batch of training windows and one validation micro-batch per data-parallel rank.
+
+    Builds the corpus (what every rank will read; the built-in ones take well under a second) and returns the
+    sampler the ranks will use, for the dry run's report.
+    """
+    data_parallel = data_parallel_degree(cfg, world_size)
+    try:
+        corpus = instantiate(cfg.data.corpus)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, CorpusTooSmall):
+            raise ConfigError(f"data.corpus.{cause.key}", cause.value, cause.allowed) from None
+        raise
+    try:
+        sampler = GlobalBatchSampler(
+            num_samples=len(TokenWindows(corpus.train, cfg.data.seq_len)),
+            micro_batch_size=cfg.data.micro_batch_size,
+            grad_accum_steps=cfg.trainer.grad_accum_steps,
+            dp_rank=0,
+            dp_size=data_parallel,
+            seed=0,
+        )
+    except ValueError as err:
+        raise ConfigError(
+            "data.micro_batch_size", cfg.data.micro_batch_size, f"a smaller global batch: {err}"
+        ) from None
+    val_windows = len(TokenWindows(corpus.val, cfg.data.seq_len))
+    if val_windows < cfg.data.micro_batch_size * data_parallel:
+        raise ConfigError(
+            "data.micro_batch_size",
+            cfg.data.micro_batch_size,
+            f"at most {val_windows // data_parallel} ({val_windows} validation windows of {cfg.data.seq_len} tokens "
+            f"over {data_parallel} data-parallel ranks), or a larger corpus",
+        )
+    return sampler

@@ -12,6 +12,7 @@ leaves a directory that looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -69,8 +70,12 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def checkpoint_bytes(path: Path) -> int:
-    """Bytes of every file in the checkpoint directory ``path``."""
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+    """Bytes of every file in the checkpoint directory ``path`` (files removed meanwhile count 0)."""
+    total = 0
+    for file in path.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            total += file.stat().st_size if file.is_file() else 0
+    return total
 
 
 def out_of_space(err: BaseException) -> bool:
@@ -116,17 +121,20 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` saved (or the tuples that checkpoints written before it held)."""
     python, numpy = state["python"], state["numpy"]
-    random.setstate((python["version"], tuple(python["words"].tolist()), python["gauss"]))
-    np.random.set_state(
-        (
+    if isinstance(python, dict):
+        python = (python["version"], tuple(python["words"].tolist()), python["gauss"])
+    if isinstance(numpy, dict):
+        numpy = (
             numpy["bit_generator"],
             numpy["words"].numpy().astype(np.uint32),
             numpy["position"],
             numpy["has_gauss"],
             numpy["cached_gaussian"],
         )
-    )
+    random.setstate(python)
+    np.random.set_state(numpy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -273,19 +281,31 @@ class Checkpointer:
                 return final_path
             strategy.save_checkpoint(tmp_path, extra)
         except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-            free = shutil.disk_usage(self.dir).free
-            # torch.save's zip writer reports a short write as "unexpected pos", not ENOSPC: a nearly empty file
-            # system right after a failed write says the same.
-            if not (out_of_space(err) or free < NEARLY_FULL_BYTES):
-                raise RuntimeError(f"saving checkpoint {tmp_path} failed: {str(err).splitlines()[0]}") from err
-            written = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
-            if rank == 0:  # once, and after rank 0 measured what was written (its message is reported first)
-                shutil.rmtree(tmp_path, ignore_errors=True)
-            raise CheckpointSpaceError(str(self.dir), f"more than {written:,}", free, during_write=True) from None
+            failure = self._write_failed(err, tmp_path)
+            if failure is None:
+                raise
+            raise failure from err
         maybe_inject_fault(rank, step, point="save")
         dist.barrier()
         self._publish(step, tmp_path, final_path)
         return final_path
+
+    def _write_failed(self, err: BaseException, tmp_path: Path) -> Exception | None:
+        """What to raise for a save that failed while writing ``tmp_path``: ``CheckpointSpaceError`` (after rank 0
+        removed the partial save) when the file system is full; for DCP's ``CheckpointException`` (a
+        ``BaseException`` the training loop would not catch) a ``RuntimeError`` carrying every rank's error; None
+        to re-raise ``err`` as it is."""
+        free = shutil.disk_usage(self.dir).free
+        # torch.save's zip writer reports a short write as "unexpected pos", not ENOSPC: a nearly empty file
+        # system right after a failed write says the same.
+        if out_of_space(err) or free < NEARLY_FULL_BYTES:
+            written = checkpoint_bytes(tmp_path)
+            if dist.get_rank() == 0:  # once, after measuring (its message is the one reported first)
+                shutil.rmtree(tmp_path, ignore_errors=True)
+            return CheckpointSpaceError(str(self.dir), f"more than {written:,}", free, during_write=True)
+        if isinstance(err, Exception):
+            return None
+        return RuntimeError(f"saving checkpoint {tmp_path} failed: {getattr(err, 'failures', err)!r}")
 
     def _check_free_space(self) -> None:
         """Refuse a save that cannot fit, before writing anything: the size is the newest complete checkpoint's
@@ -312,7 +332,13 @@ class Checkpointer:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        pending.writing.result()  # re-raises a failed write: the checkpoint stays a .tmp and is never used
+        try:
+            pending.writing.result()  # re-raises a failed write: the checkpoint stays a .tmp and is never used
+        except (Exception, CheckpointException) as err:
+            failure = self._write_failed(err, pending.tmp_path)
+            if failure is None:
+                raise
+            raise failure from err
         maybe_inject_fault(dist.get_rank(), pending.step, point="save")
         dist.barrier()
         self._publish(pending.step, pending.tmp_path, pending.final_path)
@@ -320,15 +346,21 @@ class Checkpointer:
     def _publish(self, step: int, tmp_path: Path, final_path: Path) -> None:
         """Rank 0 writes the manifest last and renames ``.tmp`` into place; then everyone may go on."""
         if dist.get_rank() == 0:
-            if self.config is not None:
-                (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(self.config))
-            files = {
-                str(p.relative_to(tmp_path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                for p in sorted(tmp_path.rglob("*"))
-                if p.is_file()
-            }
-            manifest = {"step": step, "world_size": dist.get_world_size(), "files": files}
-            (tmp_path / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            try:
+                if self.config is not None:
+                    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(self.config))
+                files = {
+                    str(p.relative_to(tmp_path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                    for p in sorted(tmp_path.rglob("*"))
+                    if p.is_file()
+                }
+                manifest = {"step": step, "world_size": dist.get_world_size(), "files": files}
+                (tmp_path / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            except OSError as err:
+                failure = self._write_failed(err, tmp_path)
+                if failure is None:
+                    raise
+                raise failure from err
             shutil.rmtree(final_path, ignore_errors=True)
             tmp_path.rename(final_path)
             self._prune()

@@ -22,20 +22,46 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from distrain.errors import RunError
 
 # Classes DeepSpeed 0.19 pickles into its checkpoints: records of plain values, constructed without running code.
 DEEPSPEED_DATA_CLASSES = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
-# What DCP's ``.metadata`` pickle names: its own metadata records, shapes, dtypes, layouts and paths.
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
-_PATH_CLASSES = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
+# numpy arrays (RNG states of checkpoints written before they were stored as tensors): torch's documented set.
+NUMPY_ARRAY_GLOBALS = (
+    "numpy._core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy.dtypes.UInt32DType",
+)
+# Every global DCP's ``.metadata`` pickle may name: its metadata records, shapes, layouts, paths (dtypes aside).
+_METADATA_GLOBALS = {
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *(("pathlib", name) for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+}
 
 
 class UnsafeCheckpointError(RunError):
@@ -63,11 +89,11 @@ def load_tensors_and_values(path: Path, **kwargs: Any) -> Any:
         try:
             return torch.load(path, weights_only=True, **kwargs)
         except pickle.UnpicklingError as err:
-            if "GLOBAL deepspeed." not in str(err):
+            if "GLOBAL deepspeed." not in str(err) and "GLOBAL numpy." not in str(err):
                 raise
-        # DeepSpeed's records: imported only for its files (importing DeepSpeed is slow and prints).
-        allowed = [cls for cls in map(_importable, DEEPSPEED_DATA_CLASSES) if cls is not None]
-        with torch.serialization.safe_globals(allowed):
+        # Imported only for the files that name them (importing DeepSpeed is slow and prints).
+        names = DEEPSPEED_DATA_CLASSES + NUMPY_ARRAY_GLOBALS
+        with torch.serialization.safe_globals([cls for cls in map(_importable, names) if cls is not None]):
             return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:
         named = re.search(r"GLOBAL ([\w.]+)", str(err))
@@ -83,13 +109,10 @@ def _weights_only_reason(message: str) -> str:
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        dtype = getattr(torch, name, None) if module == "torch" else None
-        if (
-            module in _METADATA_MODULES
-            or (module, name) in _METADATA_GLOBALS
-            or (module == "pathlib" and name in _PATH_CLASSES)
-            or isinstance(dtype, torch.dtype)
-        ):
+        # Exact (module, name) pairs only: pickle resolves a dotted name attribute by attribute, so "os.system"
+        # under an allowed module would reach any callable.
+        is_dtype = module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or is_dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
 
@@ -105,9 +128,27 @@ def load_dcp_metadata(path: Path) -> Metadata:
     return metadata
 
 
+class DataOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with every saved non-tensor value (loop state, scheduler, scaler) first read with
+    ``weights_only=True``: DCP itself unpickles those values unrestricted."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        data = value.getvalue()
+        _load_data_bytes(data, read_item.dest_index.fqn)
+        super().load_bytes(read_item, io.BytesIO(data))  # the same bytes, now known to name no callable
+
+
+def _load_data_bytes(data: bytes, where: str) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))
+        raise UnsafeCheckpointError(where, f"its pickle calls {named.group(1)}" if named else "not data") from None
+
+
 class DataOnlyReader(FileSystemReader):
-    """DCP's file-system reader with the metadata read by ``load_dcp_metadata``; tensor data and saved values
-    are read by DCP itself, which loads non-tensor values with ``weights_only=True``."""
+    """DCP's file-system reader with the metadata read by ``load_dcp_metadata``; tensors are read by DCP itself
+    (``weights_only=True``), other values through ``DataOnlyLoadPlanner``: pass both to ``dcp.load``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = load_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
@@ -124,9 +165,19 @@ def unsafe_content(checkpoint: Path) -> str | None:
     try:
         for file in sorted(checkpoint.rglob("*")):
             if file.name == ".metadata":
-                load_dcp_metadata(file)
+                _check_saved_values(file.parent, load_dcp_metadata(file))
             elif file.suffix == ".pt":
                 load_tensors_and_values(file, map_location="cpu", mmap=True)
     except UnsafeCheckpointError as err:
         return str(err)
     return None
+
+
+def _check_saved_values(directory: Path, metadata: Metadata) -> None:
+    """Read every non-tensor value of a DCP checkpoint (stored as a pickle inside a ``.distcp`` file) as data."""
+    values = {key for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata)}
+    for index, stored in (metadata.storage_data or {}).items():
+        if index.fqn in values:
+            with (directory / stored.relative_path).open("rb") as file:
+                file.seek(stored.offset)
+                _load_data_bytes(file.read(stored.length), f"{directory / stored.relative_path} ({index.fqn})")

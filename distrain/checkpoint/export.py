@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from distrain.checkpoint.checkpointer import checkpoint_problem
-from distrain.checkpoint.data_only import DataOnlyReader, load_dcp_metadata
+from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
 from distrain.parallelism.zero import CHECKPOINT_TAG, import_deepspeed
 
 MODEL_KEY = "model"  # the strategies save {"model": ..., "optimizer": ..., ...}; DCP flattens it to "model.<name>"
@@ -37,7 +37,7 @@ def _dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
     if not model:
         raise ValueError(f"{path} has no model entries")
     # Loading into plain tensors of the global shape gathers every shard of each one; optimizer keys are not read.
-    dcp.load({MODEL_KEY: model}, storage_reader=DataOnlyReader(path), no_dist=True)
+    dcp.load({MODEL_KEY: model}, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner(), no_dist=True)
     return model
 
 

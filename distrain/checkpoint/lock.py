@@ -7,16 +7,20 @@ A lock whose holder is gone is taken over with a warning, so restarts and requeu
 - same host and the holder's pid no longer runs (a killed launcher);
 - the same SLURM job (a requeued job that restarts on another node);
 - not refreshed for ``STALE_AFTER_S`` (a holder on another host that died).
+The lock is created whole (a hard link of a finished file) and taken over by an atomic rename, so of several
+jobs starting at once exactly one holds it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +30,18 @@ log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 HEARTBEAT_S = 10.0
-STALE_AFTER_S = 60.0
+STALE_AFTER_S = 300.0  # generous: network file systems cache modification times
 
 
 class CheckpointDirInUse(RunError):
     """Another live job holds the checkpoint directory."""
 
 
-def _holder() -> dict[str, Any]:
+def _holder(run_dir: str) -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "run_dir": os.getcwd(),
+        "run_dir": run_dir,
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "since": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -81,33 +85,57 @@ class CheckpointDirLock:
 
     def __enter__(self) -> CheckpointDirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        mine = _holder() | {"run_dir": self.run_dir}
+        mine = json.dumps(_holder(self.run_dir))
         while not self._create(mine):
             try:
-                holder = json.loads(self.path.read_text())
-                stale = _why_stale(self.path, holder)
-            except (OSError, ValueError):  # removed meanwhile, or half written: look again
-                holder, stale = {}, "unreadable"
+                seen = self.path.read_text()
+                holder = json.loads(seen)
+            except FileNotFoundError:  # released meanwhile: try again
+                continue
+            except (OSError, ValueError):  # created whole (see _create), so only a damaged file reads badly
+                seen, holder = None, {}
+            stale = "its content is unreadable" if seen is None else _why_stale(self.path, holder)
             if stale is None:
                 raise CheckpointDirInUse(
                     f"checkpoint.dir={self.path.parent} is in use by another job (host {holder.get('host')}, "
                     f"pid {holder.get('pid')}, run directory {holder.get('run_dir')}, since {holder.get('since')}); "
                     "give this job another checkpoint.dir, or stop that one"
                 )
-            log.warning("taking over the lock of %s: %s", self.path.parent, stale)
-            self.path.unlink(missing_ok=True)
+            if self._remove_if_unchanged(seen):
+                log.warning("taking over the lock of %s: %s", self.path.parent, stale)
         self._heartbeat = threading.Thread(target=self._refresh, name="checkpoint-dir-lock", daemon=True)
         self._heartbeat.start()
         return self
 
-    def _create(self, holder: dict[str, Any]) -> bool:
+    def _create(self, content: str) -> bool:
+        """Create the lock with its content in one step (a hard link of a finished file): a reader never sees it
+        half written. False if another holder's lock is there."""
+        draft = self.path.with_name(f"{LOCK_NAME}.{uuid.uuid4().hex}")
+        draft.write_text(content)
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.link(draft, self.path)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as file:
-            json.dump(holder, file)
+        finally:
+            draft.unlink()
         return True
+
+    def _remove_if_unchanged(self, seen: str | None) -> bool:
+        """Move the stale lock aside (one atomic rename: of several jobs taking over, one wins) and drop it, unless
+        it is no longer the lock judged stale (then put it back: a new holder took it meanwhile)."""
+        aside = self.path.with_name(f"{LOCK_NAME}.stale.{uuid.uuid4().hex}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            if seen is not None and aside.read_text() != seen:
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, self.path)
+                return False
+            return True
+        finally:
+            aside.unlink()
 
     def _refresh(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

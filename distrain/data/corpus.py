@@ -39,6 +39,14 @@ def stdlib_source_files() -> list[Path]:
     ]
 
 
+class CorpusTooSmall(ValueError):
+    """A corpus setting that leaves a split empty: ``key`` (under ``data.corpus``), its ``value``, what is allowed."""
+
+    def __init__(self, key: str, value: int, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"data.corpus.{key}={value}: {allowed}")
+
+
 def stdlib_source_corpus(*, max_bytes: int, val_fraction: float, block_bytes: int = 16384) -> TokenCorpus:
     """Byte-level corpus (vocabulary 256) of the standard library's source, read in sorted file order.
 
@@ -58,6 +66,13 @@ def stdlib_source_corpus(*, max_bytes: int, val_fraction: float, block_bytes: in
     blocks = torch.split(tokens, block_bytes)
     every = max(2, round(1 / val_fraction))
     is_val = [i % every == every // 2 for i in range(len(blocks))]
+    if not any(is_val):
+        raise CorpusTooSmall(
+            "max_bytes",
+            max_bytes,
+            f"at least {(every // 2 + 1) * block_bytes} bytes, so that the validation split "
+            f"(every {every}-th block of {block_bytes} bytes) holds one block",
+        )
     return TokenCorpus(
         name="stdlib_source",
         train=torch.cat([b for b, v in zip(blocks, is_val, strict=True) if not v]),

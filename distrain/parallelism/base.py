@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from distrain.checkpoint.data_only import DataOnlyReader
+from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader
 from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.dist import DistEnv
@@ -280,7 +280,7 @@ class LocalBackwardStrategy:
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         state = {**self._state_dict(), "extra": extra}
-        dcp.load(state, storage_reader=DataOnlyReader(path))
+        dcp.load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:

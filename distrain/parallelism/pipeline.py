@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state, get_model_state_dict, set_model_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from distrain.checkpoint.data_only import DataOnlyReader
+from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader
 from distrain.data.sampler import Batch
 from distrain.parallelism.base import (
     LocalBackwardStrategy,
@@ -304,7 +304,7 @@ class PipelineStrategy(LocalBackwardStrategy):
         # does for the other strategies, with torch's helper that steps at learning rate 0.
         _init_optim_state(self.optimizer)
         state = {**self._state_dict(), "extra": extra}
-        dcp.load(state, storage_reader=DataOnlyReader(path))
+        dcp.load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner())
         set_model_state_dict(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"][f"rank{self.pp_rank}"])
         self.scheduler.load_state_dict(state["scheduler"])
