@@ -126,7 +126,6 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         problem = backend_problem(cfg.compile_backend, device_type)
         if problem:
             raise ConfigError("compile_backend", cfg.compile_backend, problem)
-    validate_data_fits(cfg, world_size)
     validate_comm(cfg, world_size)
     validate_sharding(cfg, device_type)
     if cfg.parallelism.name == "pipeline":
@@ -135,6 +134,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         validate_tensor(cfg, world_size)
     if cfg.parallelism.name == "hybrid":
         validate_hybrid(cfg, world_size)
+    validate_data_fits(cfg, world_size)  # after the degrees are known to be valid
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
 
 

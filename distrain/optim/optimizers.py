@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def decay_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, object]]:
@@ -17,6 +18,13 @@ def decay_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], weight_de
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _foreach(groups: list[dict[str, object]]) -> bool | None:
+    """False when tensor-parallel DTensors and plain tensors share the optimizer (its fused multi-tensor kernels,
+    the default on GPUs, refuse such a mix); None (torch's default) otherwise."""
+    kinds = {isinstance(p, DTensor) for group in groups for p in group["params"]}
+    return False if len(kinds) > 1 else None
+
+
 def adamw(
     named_parameters: Iterable[tuple[str, nn.Parameter]],
     *,
@@ -26,7 +34,8 @@ def adamw(
     weight_decay: float,
 ) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on matrices only."""
-    return torch.optim.AdamW(decay_groups(named_parameters, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
+    groups = decay_groups(named_parameters, weight_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, foreach=_foreach(groups))
 
 
 def sgd(
@@ -38,4 +47,5 @@ def sgd(
     weight_decay: float,
 ) -> torch.optim.SGD:
     """SGD with (optionally Nesterov) momentum and L2 weight decay on matrices only."""
-    return torch.optim.SGD(decay_groups(named_parameters, weight_decay), lr=lr, momentum=momentum, nesterov=nesterov)
+    groups = decay_groups(named_parameters, weight_decay)
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, foreach=_foreach(groups))

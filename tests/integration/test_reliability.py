@@ -287,7 +287,9 @@ def test_a_rank_that_stops_responding_ends_the_job_in_time_and_is_named(tmp_path
     result = run_train(args, tmp_path, env={"DISTRAIN_INJECT_FAULT": fault}, timeout=120)
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stderr
-    assert elapsed < TIMEOUT_S + 30, f"took {elapsed:.0f} s"
+    # Start-up, three steps, the timeout, the failed ranks' agreement wait (5 s) and exit: generous for a loaded
+    # machine, far below the launcher's own 30 s SIGTERM grace plus the timeout that a hang would add.
+    assert elapsed < TIMEOUT_S + 45, f"took {elapsed:.0f} s"
     (line,) = distrain_lines(result.stderr)
     stopped_rank = fault.split(":")[1]
     assert f"rank {stopped_rank} (pid " in line and "stopped responding" in line and f"timeout_s={TIMEOUT_S}" in line
