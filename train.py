@@ -31,14 +31,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from distrain import dry_run
 from distrain.agreement import StepAgreement
-from distrain.checkpoint.checkpointer import (
-    Checkpointer,
-    checkpoint_step,
-    finished_checkpoint,
-    remove_partial_saves,
-    uses_checkpoint_dir,
-)
-from distrain.checkpoint.lock import CheckpointDirLock
+from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_step
+from distrain.checkpoint.preflight import prepare_checkpoint_dir
 from distrain.config import TrainerConfig, register_configs
 from distrain.data.sampler import Batch, GlobalBatchSampler, TokenWindows, TrainBatches, validation_batches
 from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_failure, shutdown_distributed
@@ -303,16 +297,22 @@ def main(cfg: DictConfig) -> float | None:
     cfg_dict["distributed"]["device"] = plan.device_type
     checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")
     run_name = f"{hydra_cfg.job.name}/{Path(run_dir).relative_to(Path(run_dir).parents[1])}"
+    resume = "auto" if restarted_attempt() and cfg.checkpoint.resume == "never" else cfg.checkpoint.resume
     with ExitStack() as held:
-        if launcher_rank() == 0 and uses_checkpoint_dir(cfg.checkpoint):
-            try:  # one job per checkpoint directory, before any rank starts
-                held.enter_context(CheckpointDirLock(Path(checkpoint_dir), run_dir))
-            except RunError as err:
-                print(f"distrain: {err}", file=sys.stderr)
-                sys.exit(2)
-            remove_partial_saves(Path(checkpoint_dir))
-        resume = "auto" if restarted_attempt() and cfg.checkpoint.resume == "never" else cfg.checkpoint.resume
-        finished = finished_checkpoint(Path(checkpoint_dir), resume, cfg.trainer.max_steps)
+        try:  # one job per checkpoint directory, and a checkpoint that fits this config, before any rank starts
+            finished = prepare_checkpoint_dir(
+                cfg,
+                directory=Path(checkpoint_dir),
+                resume=resume,
+                run_dir=run_dir,
+                take_lock=launcher_rank() == 0,
+                held=held,
+            )
+        except ConfigError as err:
+            refuse(err)
+        except RunError as err:
+            print(f"distrain: {err}", file=sys.stderr)
+            sys.exit(2)
         if finished:  # e.g. a requeued job that had in fact finished: say so, change nothing
             print(
                 f"distrain: the run is complete at step {checkpoint_step(finished)} (trainer.max_steps="

@@ -8,11 +8,13 @@ what is allowed (train.py then exits 2).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from distrain.config import register_configs
@@ -33,7 +35,7 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            compose(config_name="config", overrides=overrides)
+            cfg = compose(config_name="config", overrides=overrides)
     except MissingConfigException as err:  # an option that is not in its group
         group, _, option = (re.search(r"Could not find '([^']+)'", str(err)) or ["", "?"])[1].rpartition("/")
         options = re.findall(r"^\t(\S+)$", str(err).split("Config search path")[0], flags=re.MULTILINE)
@@ -43,11 +45,38 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
         if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
             value = _override_value(overrides, cause.full_key)
             reason = str(cause).splitlines()[0]
+            schema = getattr(cause, "object_type", None)
             if "not in" in reason:
-                reason = f"no such key ({reason})"
+                known = _one_of(schema) if schema is not None and dataclasses.is_dataclass(schema) else reason
+                reason = f"no such key ({known})"
             return f"{cause.full_key}={value!r} is not allowed: {reason}"
         return " ".join(str(err).split())
+    return _added_to_a_schema(cfg, overrides)
+
+
+def _added_to_a_schema(cfg: DictConfig, overrides: list[str]) -> str | None:
+    """``+key=value`` adds a key Hydra's struct mode would refuse; under a typed schema nothing would read it (or
+    the component it builds would fail on it in every rank), so it is refused like a misspelt key."""
+    for override in overrides:
+        if not override.startswith("+"):
+            continue
+        key, _, value = override.lstrip("+").partition("=")
+        parent_key, _, name = key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        schema = OmegaConf.get_type(parent) if isinstance(parent, DictConfig) else None
+        if schema is not None and dataclasses.is_dataclass(schema):
+            if name not in _fields(schema):
+                where = parent_key or "the config"
+                return f"{key}={value!r} is not allowed: no such key in {where} ({_one_of(schema)})"
     return None
+
+
+def _fields(schema: type) -> list[str]:
+    return [field.name for field in dataclasses.fields(schema) if not field.name.startswith("_")]
+
+
+def _one_of(schema: type) -> str:
+    return f"one of {', '.join(_fields(schema))}"
 
 
 def _override_value(overrides: list[str], key: str) -> str:

@@ -51,6 +51,8 @@ def _sha256(path: Path) -> str:
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` is not a usable checkpoint (missing manifest, missing, truncated or altered file), or None."""
+    if not path.is_dir():
+        return "no such directory"
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
         return "no manifest.json (incomplete)"
@@ -169,14 +171,6 @@ def checkpoint_step(path: Path) -> int:
 def uses_checkpoint_dir(checkpoint: Any) -> bool:
     """Whether a job with these ``checkpoint.*`` settings reads or writes its checkpoint directory."""
     return checkpoint.every_n_steps > 0 or checkpoint.save_final or checkpoint.emergency or checkpoint.resume == "auto"
-
-
-def finished_checkpoint(directory: Path, resume: str, max_steps: int) -> Path | None:
-    """The checkpoint a job would resume from when it already holds ``max_steps`` steps (nothing left to train)."""
-    if resume == "never":
-        return None
-    path = newest_valid(directory, report=False) if resume == "auto" else Path(resume)
-    return path if path is not None and checkpoint_step(path) >= max_steps else None
 
 
 def remove_partial_saves(directory: Path) -> None:

@@ -98,7 +98,7 @@ class RunReporter:
         log.info("per-step metrics over the run:\n%s", statistics_table(summary["metrics"]))
         (self.run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
         self.tracker.finish(summary)
-        log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))
+        log.info("summary: %s", strict_json({k: v for k, v in summary.items() if not isinstance(v, list)}))
 
 
 def without_nonfinite(value: Any) -> Any:

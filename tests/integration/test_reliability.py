@@ -296,3 +296,24 @@ def test_a_rank_that_stops_responding_ends_the_job_in_time_and_is_named(tmp_path
     checkpoints = tmp_path / "run" / "checkpoints"
     assert [p.name for p in step_directories(checkpoints)] == ["step_00000002"]
     assert checkpoint_problem(checkpoints / "step_00000002") is None
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (["model.d_model=32"], "model.d_model=32 is not allowed: 64 as in the checkpoint"),
+        (["optimizer=sgd"], "optimizer='sgd' is not allowed: adamw as in the checkpoint"),
+        (["parallelism=zero"], "parallelism='zero' is not allowed: a strategy that reads DCP's format"),
+        (["checkpoint.resume=never"], "checkpoint.resume='never' is not allowed: auto, or another checkpoint.dir"),
+    ],
+)
+def test_a_checkpoint_this_config_cannot_use_is_refused_in_one_line(tmp_path, finished_run, change, needle):
+    """Resuming with another model, optimizer or checkpoint format, or a fresh run into a directory holding an
+    earlier run's checkpoints (pruning would delete its saves): one line, exit 2, nothing changed."""
+    run_dir = copy_run(finished_run, tmp_path)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    result = run_train([*CHECKPOINTED, "trainer.max_steps=6", "checkpoint.resume=auto", *change], tmp_path)
+    assert result.returncode == 2, result.stderr
+    (line,) = distrain_lines(result.stderr)
+    assert needle in line and "Traceback" not in result.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before

@@ -114,6 +114,8 @@ def test_train_py_prints_one_line_and_exits_2(tmp_path, override, needle):
         ("trainer.max_step=5", "trainer.max_step='5' is not allowed: no such key"),
         ("trainer.max_steps=many", "trainer.max_steps='many' is not allowed: Value 'many' of type 'str'"),
         ("distributed.device=tpu", "distributed.device='tpu' is not allowed: Invalid value 'tpu', expected one of"),
+        ("+trainer.foo=1", "trainer.foo='1' is not allowed: no such key in trainer (one of max_steps, seed"),
+        ("checkpoint.dir=/proc/nope", "checkpoint.dir='/proc/nope' is not allowed: a directory this job can create"),
     ],
 )
 def test_train_py_refuses_composition_errors_in_one_line(tmp_path, override, needle):
