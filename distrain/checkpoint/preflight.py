@@ -67,7 +67,8 @@ def check_resumable(cfg: DictConfig, checkpoint: Path) -> None:
     saved = OmegaConf.load(saved_file)
     where = f"as in the checkpoint {checkpoint}"
     for key, value in OmegaConf.to_container(cfg.model, resolve=True).items():
-        if key in saved.model and saved.model[key] != value:
+        # Regularisation may change on resume (fine-tuning); what shapes or names the parameters may not.
+        if key != "dropout" and key in saved.model and saved.model[key] != value:
             raise ConfigError(f"model.{key}", value, f"{saved.model[key]!r} {where} (it resumes the model it holds)")
     if saved.optimizer._target_ != cfg.optimizer._target_:
         saved_name = saved.optimizer._target_.rsplit(".", 1)[1]
