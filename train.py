@@ -44,7 +44,7 @@ from distrain.launch import (
     inside_launcher,
     launcher_rank,
     requeue_slurm_job,
-    restarted_attempt,
+    resume_setting,
     run_ranks,
     slurm_restart_count,
 )
@@ -181,8 +181,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         configure_logging(env.rank, Path(run_dir) / "train.log")
         run = build(cfg, env, run_dir)
         state = TrainState()
-        if restarted_attempt() and run.checkpointer.resume == "never":
-            run.checkpointer.resume = "auto"  # an elastic restart continues from this run's newest checkpoint
+        run.checkpointer.resume = resume_setting(run.checkpointer.resume)
         resume_from = run.checkpointer.resume_path()
         if resume_from is not None:
             loaded = Checkpointer.load(resume_from, run.strategy, loop_state(state, run.data))
@@ -297,7 +296,7 @@ def main(cfg: DictConfig) -> float | None:
     cfg_dict["distributed"]["device"] = plan.device_type
     checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")
     run_name = f"{hydra_cfg.job.name}/{Path(run_dir).relative_to(Path(run_dir).parents[1])}"
-    resume = "auto" if restarted_attempt() and cfg.checkpoint.resume == "never" else cfg.checkpoint.resume
+    resume = resume_setting(cfg.checkpoint.resume)
     with ExitStack() as held:
         try:  # one job per checkpoint directory, and a checkpoint that fits this config, before any rank starts
             finished = prepare_checkpoint_dir(

@@ -32,6 +32,7 @@ __all__ = [
     "inside_launcher",
     "launcher_rank",
     "restarted_attempt",
+    "resume_setting",
     "run_ranks",
 ]
 
@@ -49,6 +50,12 @@ def restarted_attempt() -> bool:
     """True in ranks the elastic agent restarted after a failure (``distributed.max_restarts`` > 0), and in a SLURM
     job that was requeued (after a time limit or preemption)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or slurm_restart_count() > 0
+
+
+def resume_setting(resume: str) -> str:
+    """``checkpoint.resume`` as this attempt applies it: an elastic restart or a requeued SLURM job continues from
+    its newest checkpoint (``auto``) even when the first attempt started fresh (``never``)."""
+    return "auto" if resume == "never" and restarted_attempt() else resume
 
 
 def slurm_restart_count() -> int:
