@@ -257,7 +257,7 @@ def data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
 
 
 def validate_data_fits(cfg: DictConfig, world_size: int) -> GlobalBatchSampler:
-    """The corpus holds one global batch of training windows and one validation micro-batch per data-parallel rank.
+    """The corpus holds one global batch of training windows, and its validation split at least one window.
 
     Builds the corpus (what every rank will read; the built-in ones take well under a second) and returns the
     sampler the ranks will use, for the dry run's report.
@@ -283,12 +283,8 @@ def validate_data_fits(cfg: DictConfig, world_size: int) -> GlobalBatchSampler:
         raise ConfigError(
             "data.micro_batch_size", cfg.data.micro_batch_size, f"a smaller global batch: {err}"
         ) from None
-    val_windows = len(TokenWindows(corpus.val, cfg.data.seq_len))
-    if val_windows < cfg.data.micro_batch_size * data_parallel:
+    if len(TokenWindows(corpus.val, cfg.data.seq_len)) < 1:
         raise ConfigError(
-            "data.micro_batch_size",
-            cfg.data.micro_batch_size,
-            f"at most {val_windows // data_parallel} ({val_windows} validation windows of {cfg.data.seq_len} tokens "
-            f"over {data_parallel} data-parallel ranks), or a larger corpus",
+            "data.seq_len", cfg.data.seq_len, f"at most {len(corpus.val) - 1}, the validation split's length in tokens"
         )
     return sampler

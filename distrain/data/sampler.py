@@ -128,12 +128,14 @@ def validation_batches(
 ) -> list[Batch]:
     """A fixed validation set, the first windows of the validation stream, split over data-parallel ranks.
 
-    The set is the same for every run with the same batch settings, so validation losses are comparable.
+    The set is the same for every run with the same batch settings, so validation losses are comparable. Every rank
+    gets the same number of micro-batches (sharded strategies run collectives in each forward); a validation split
+    smaller than one micro-batch per rank is used round robin, windows repeating.
     """
     per_step = micro_batch_size * dp_size
     num_batches = max(1, min(num_batches, len(windows) // per_step))
     batches = []
     for i in range(num_batches):
         start = i * per_step + dp_rank * micro_batch_size
-        batches.append(windows.batch(torch.arange(start, start + micro_batch_size)))
+        batches.append(windows.batch(torch.arange(start, start + micro_batch_size) % len(windows)))
     return batches
