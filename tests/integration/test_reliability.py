@@ -182,8 +182,8 @@ def distrain_lines(stderr):
 
 def test_a_second_job_on_the_same_checkpoint_dir_is_refused_until_the_first_is_gone(tmp_path):
     """While job A runs, job B with the same checkpoint.dir is refused in one line naming A's host, pid and run
-    directory (exit 2). Once A is killed (launcher and ranks, SIGKILL: its lock stays behind), B takes the stale
-    lock over with a warning and trains."""
+    directory (exit 2). Once A is killed (launcher and ranks, SIGKILL: its lock stays behind), A's restart takes the
+    stale lock over with a warning and continues from A's newest checkpoint."""
     shared = tmp_path / "shared_checkpoints"
     first = [*CHECKPOINTED, "trainer.max_steps=100000", f"checkpoint.dir={shared}", "hydra.run.dir=first"]
     job_a = subprocess.Popen(
@@ -206,13 +206,20 @@ def test_a_second_job_on_the_same_checkpoint_dir_is_refused_until_the_first_is_g
         assert f"checkpoint.dir={shared} is in use by another job" in line
         assert f"pid {job_a.pid}" in line and str(tmp_path / "first") in line and holder["host"] in line
         assert not (tmp_path / "second" / "metrics.jsonl").exists()
+        while not step_directories(shared) and time.monotonic() < deadline + 60:
+            time.sleep(0.2)  # A has saved a checkpoint that its restart can continue
     finally:
         os.killpg(job_a.pid, signal.SIGKILL)
         job_a.wait()
     assert (shared / ".lock").exists()
-    took_over = run_train(second, tmp_path)
+    # A restart of job A (as a requeue would be): it continues A's newest checkpoint for two more steps.
+    newest = max(int(p.name.split("_")[1]) for p in step_directories(shared))
+    restart = [*first, "hydra.run.dir=restart", "checkpoint.resume=auto", f"trainer.max_steps={newest + 2}"]
+    took_over = run_train(restart, tmp_path)
     assert took_over.returncode == 0, took_over.stderr
     assert f"taking over the lock of {shared}: process {job_a.pid}" in took_over.stdout + took_over.stderr
+    assert f"step_{newest:08d} at step {newest}" in took_over.stderr
+    assert (shared / f"step_{newest + 2:08d}").is_dir()
     assert not (shared / ".lock").exists()  # released at the end
 
 
