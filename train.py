@@ -50,6 +50,7 @@ from distrain.launch import (
 )
 from distrain.logger.reporter import RunReporter
 from distrain.loop import TrainState, loop_state, restore_loop_state, train
+from distrain.models.spec import spec_of
 from distrain.monitor.flops import peak_flops_per_device
 from distrain.monitor.profiler import StepProfiler
 from distrain.monitor.timing import Clock
@@ -93,6 +94,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     seed_everything(settings.seed)
     model = instantiate(cfg.model)
     model_parameters = sum(p.numel() for p in model.parameters())
+    flops_per_token = spec_of(model).flops_per_token(model, cfg.data.seq_len)
     # Before any strategy wraps the model: it changes no names, and recomputation then runs inside TP and FSDP.
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
     strategy = instantiate(cfg.parallelism)
@@ -160,7 +162,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
             device=env.device,
             tokens_per_step=sampler.global_batch_size * cfg.data.seq_len,
             samples_per_step=sampler.global_batch_size,
-            flops_per_token=model.flops_per_token(cfg.data.seq_len),
+            flops_per_token=flops_per_token,
             peak_flops=peak_flops_per_device(env.device, precision.compute_dtype, cfg.monitor.peak_flops),
             straggler_threshold=cfg.monitor.straggler_threshold,
         ),

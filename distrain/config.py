@@ -14,6 +14,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from distrain.models.gpt.config import GPTConfig
+from distrain.models.llama.config import LlamaConfig
+from distrain.models.mlp.config import MLPConfig
+
 # ---------------------------------------------------------------------------------------------- choices
 
 
@@ -52,30 +56,7 @@ WandbMode = _choices("WandbMode", "auto", "online", "offline", "disabled")
 # ---------------------------------------------------------------------------------------------- model
 
 
-@dataclass(kw_only=True)
-class GPTConfig:
-    """Decoder-only transformer (pre-norm, causal self-attention, GELU MLP)."""
-
-    _target_: str = "distrain.models.gpt.GPT"
-    vocab_size: int = 256  # byte-level corpus
-    max_seq_len: int = 128  # context length; also the training sequence length
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-
-
-@dataclass(kw_only=True)
-class MLPConfig:
-    """Position-wise residual MLP language model (no attention): the smallest model every strategy takes."""
-
-    _target_: str = "distrain.models.mlp.MLPLanguageModel"
-    vocab_size: int = 256
-    max_seq_len: int = 128
-    d_model: int = 128
-    hidden: int = 512
-    n_layers: int = 4
+# Each family's schema lives in its folder: distrain/models/<family>/config.py.
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -441,7 +422,7 @@ class Config:
 # Schemas live in ``schema/<group>`` (not offered as options); each option's YAML extends one with
 # ``defaults: [/schema/<group>/<name>@_here_, _self_]``.
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"gpt": GPTConfig, "mlp": MLPConfig},
+    "model": {"gpt": GPTConfig, "mlp": MLPConfig, "llama": LlamaConfig},
     "data": {"stdlib": StdlibDataConfig, "synthetic": SyntheticDataConfig},
     "parallelism": {
         "single": SingleConfig,

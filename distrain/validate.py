@@ -24,6 +24,7 @@ from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
 from distrain.validate_parallelism import (
+    meta_model,
     validate_comm,
     validate_hybrid,
     validate_pipeline,
@@ -173,40 +174,45 @@ def _validate_training(cfg: DictConfig) -> None:
 
 
 def _validate_model_and_data(cfg: DictConfig) -> None:
-    """Model sizes, the data's shape, and the data against the model (sequence length, largest token id)."""
-    for key in ("model.d_model", "model.n_layers", "model.vocab_size", "model.max_seq_len"):
-        check(cfg, key, at_least(1), "an integer >= 1")
+    """Model sizes, the data's shape, the data against the model (sequence length, largest token id), and that the
+    model builds (on the meta device). Keys a model's config lacks are not checked."""
+    model_cfg = cfg.model
+    for key in ("d_model", "n_layers", "vocab_size", "max_seq_len", "n_kv_heads", "ffn_hidden"):
+        if model_cfg.get(key) is not None:
+            check(cfg, f"model.{key}", at_least(1), "an integer >= 1")
     check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1 (sequences per rank per micro-step)")
-    check(
-        cfg,
-        "data.seq_len",
-        lambda v: 1 <= v <= cfg.model.max_seq_len,
-        f"1..model.max_seq_len ({cfg.model.max_seq_len})",
-    )
+    max_seq_len = model_cfg.get("max_seq_len") or cfg.data.seq_len
+    check(cfg, "data.seq_len", lambda v: 1 <= v <= max_seq_len, f"1..model.max_seq_len ({max_seq_len})")
     check(cfg, "data.corpus.val_fraction", lambda v: 0 < v <= 0.5, "a fraction in (0, 0.5]")
     for key in ("max_bytes", "num_tokens"):
         if key in cfg.data.corpus:
             check(cfg, f"data.corpus.{key}", at_least(1), "an integer >= 1")
-    if "vocab_size" in cfg.data.corpus:
-        check(
-            cfg,
-            "data.corpus.vocab_size",
-            lambda v: 2 <= v <= cfg.model.vocab_size,
-            f"2..model.vocab_size ({cfg.model.vocab_size})",
-        )
+    vocab_size = model_cfg.get("vocab_size")
+    if "vocab_size" in cfg.data.corpus and vocab_size:
+        check(cfg, "data.corpus.vocab_size", lambda v: 2 <= v <= vocab_size, f"2..model.vocab_size ({vocab_size})")
 
     for key in ("model.mlp_ratio", "model.hidden"):
         if key.split(".")[1] in cfg.model:
             check(cfg, key, at_least(1), "an integer >= 1")
     if "dropout" in cfg.model:
         check(cfg, "model.dropout", lambda v: 0 <= v < 1, "a probability in [0, 1)")
-    largest_token = largest_token_id(cfg.data.corpus)
-    if largest_token >= cfg.model.vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            cfg.model.vocab_size,
-            f"more than the data's largest token id ({largest_token})",
+    for key in ("norm_eps", "rope_theta", "init_std"):
+        if key in model_cfg:
+            check(cfg, f"model.{key}", positive, "a number > 0")
+    if "rope_scaling" in model_cfg:
+        check(
+            cfg,
+            "model.rope_scaling",
+            lambda v: not v or v.get("rope_type", v.get("type")) == "llama3",
+            "empty (plain RoPE) or Hugging Face's llama3 scaling: {rope_type: llama3, factor, low_freq_factor, "
+            "high_freq_factor, original_max_position_embeddings}",
         )
+    if model_cfg.get("n_kv_heads") and "n_heads" in model_cfg:
+        heads = model_cfg.n_heads
+        check(cfg, "model.n_kv_heads", lambda v: heads % v == 0, f"a divisor of model.n_heads ({heads}), or null")
+    largest_token = largest_token_id(cfg.data.corpus)
+    if vocab_size and largest_token >= vocab_size:
+        raise ConfigError("model.vocab_size", vocab_size, f"more than the data's largest token id ({largest_token})")
     if "n_heads" in cfg.model:
         check(
             cfg,
@@ -214,6 +220,7 @@ def _validate_model_and_data(cfg: DictConfig) -> None:
             lambda v: v >= 1 and cfg.model.d_model % v == 0,
             f"a divisor of model.d_model ({cfg.model.d_model})",
         )
+    meta_model(cfg)
 
 
 def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:

@@ -7,12 +7,44 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig
+from torch import nn
 
 from distrain.config_checks import ConfigError, at_least, check, positive
+from distrain.models.spec import ConfigProblem, ModelSpec, spec_of
 
 # Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
 STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3), "hybrid": (2, 3)}
+
+
+def model_name(cfg: DictConfig) -> str:
+    return str(cfg.model.get("_target_", "?")).rsplit(".", 1)[-1]
+
+
+def meta_model(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
+    """The configured model built on the meta device (shapes, no storage) and its spec: what is asked about the
+    model before any rank starts. A model its config cannot build is a config error naming the constructor's
+    complaint."""
+    try:
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        return model, spec_of(model)
+    except Exception as err:
+        cause = err.__cause__ or err
+        detail = (str(cause).strip().splitlines() or [""])[0]
+        raise ConfigError(
+            "model", model_name(cfg), f"a model its config builds ({type(cause).__name__}: {detail})"
+        ) from None
+
+
+def raise_problem(cfg: DictConfig, problem: ConfigProblem | str | None, strategy: str) -> None:
+    """A spec's answer as a config error: its own key and value, or the model's name with the reason."""
+    if isinstance(problem, ConfigProblem):
+        raise ConfigError(problem.key, problem.value, problem.allowed)
+    if problem:
+        raise ConfigError("model", model_name(cfg), f"a model {strategy} can split: {problem}")
 
 
 def validate_comm(cfg: DictConfig, world_size: int) -> None:
@@ -103,12 +135,14 @@ def validate_pipeline(cfg: DictConfig, world_size: int) -> None:
                 "parallelism.microbatches", pp.microbatches, f"a multiple of the {world_size} ranks with interleaved"
             )
     stages = world_size * virtual
-    if stages > cfg.model.n_layers:
+    model, spec = meta_model(cfg)
+    raise_problem(cfg, spec.splittable_problem(model), "a pipeline")
+    blocks = len(spec.block_modules(model))
+    if stages > blocks:
         raise ConfigError(
             "parallelism",
             cfg.parallelism.name,
-            f"at most model.n_layers ({cfg.model.n_layers}) stages; {world_size} ranks x {virtual} virtual stages "
-            f"= {stages}",
+            f"at most {blocks} stages (the model's blocks); {world_size} ranks x {virtual} virtual stages = {stages}",
         )
     sequences = cfg.data.micro_batch_size * cfg.trainer.grad_accum_steps
     if sequences % pp.microbatches:
@@ -118,12 +152,12 @@ def validate_pipeline(cfg: DictConfig, world_size: int) -> None:
             f"a divisor of the {sequences} sequences per step (data.micro_batch_size x trainer.grad_accum_steps)",
         )
     points = list(pp.split_points)
-    increasing = points == sorted(set(points)) and all(0 < point < cfg.model.n_layers for point in points)
+    increasing = points == sorted(set(points)) and all(0 < point < blocks for point in points)
     if points and (len(points) != stages - 1 or not increasing):
         raise ConfigError(
             "parallelism.split_points",
             points,
-            f"{stages - 1} increasing block indices in 1..{cfg.model.n_layers - 1} (empty: balanced)",
+            f"{stages - 1} increasing block indices in 1..{blocks - 1} (empty: balanced)",
         )
     recompute = list(pp.activation_checkpointing)
     if any(not 0 <= stage < stages for stage in recompute):
@@ -141,17 +175,10 @@ def validate_pipeline(cfg: DictConfig, world_size: int) -> None:
 
 
 def validate_tensor(cfg: DictConfig, world_size: int) -> None:
-    """Heads and MLP width must split evenly over the ranks."""
-    if "n_heads" not in cfg.model:
-        raise ConfigError("model", cfg.model._target_.rsplit(".", 1)[1], "a model with attention (gpt_*) for tensor")
-    if cfg.model.n_heads % world_size:
-        raise ConfigError(
-            "model.n_heads", cfg.model.n_heads, f"a multiple of the {world_size} tensor-parallel ranks (tp)"
-        )
-    if cfg.model.mlp_ratio * cfg.model.d_model % world_size:
-        raise ConfigError(
-            "model.mlp_ratio", cfg.model.mlp_ratio, f"mlp_ratio x d_model divisible by {world_size} ranks"
-        )
+    """The model's spec has a tensor-parallel plan whose heads and widths split evenly over the ranks."""
+    model, spec = meta_model(cfg)
+    problem = spec.tensor_parallel_problem(model, world_size, bool(cfg.parallelism.loss_parallel))
+    raise_problem(cfg, problem, "tensor parallelism")
     if cfg.checkpoint.async_save:
         raise ConfigError("checkpoint.async_save", True, f"false with parallelism={cfg.parallelism.name}")
     if cfg.parallelism.sequence_parallel and cfg.data.seq_len % world_size:
@@ -160,7 +187,7 @@ def validate_tensor(cfg: DictConfig, world_size: int) -> None:
             cfg.data.seq_len,
             f"a multiple of the {world_size} tensor-parallel ranks with sequence_parallel",
         )
-    if cfg.parallelism.loss_parallel and cfg.model.vocab_size % world_size:
+    if cfg.parallelism.loss_parallel and cfg.model.get("vocab_size", 0) % world_size:
         raise ConfigError(
             "model.vocab_size",
             cfg.model.vocab_size,
@@ -184,8 +211,6 @@ def validate_hybrid(cfg: DictConfig, world_size: int) -> None:
             value,
             f"degrees whose product is the world size {world_size}: dp x tp x pp = {shown} x {hybrid.tp} x {hybrid.pp}",
         )
-    if "n_heads" not in cfg.model:
-        raise ConfigError("model", cfg.model._target_.rsplit(".", 1)[1], "a model with attention (gpt_*) for hybrid")
     if cfg.precision.compute_dtype == "float16":
         raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=hybrid (no loss scaler)")
     if hybrid.tp > 1:

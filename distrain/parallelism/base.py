@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
@@ -30,6 +29,7 @@ from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.dist import DistEnv
 from distrain.faults import maybe_inject_fault
+from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
 from distrain.parallelism.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
@@ -118,11 +118,6 @@ class Strategy(Protocol):
         """Restore from ``path`` (collective); ``extra`` is a template of the loop state, returned filled."""
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy, computed in fp32 whatever the autocast dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-
-
 def as_tensor(value: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (a loss computed on sharded logits) as the plain tensor every rank holds."""
     return value.to_local() if isinstance(value, DTensor) else value
@@ -178,6 +173,7 @@ class LocalBackwardStrategy:
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         self.ctx = ctx
         self.device = ctx.env.device
+        self.spec = spec_of(model)
         self.model = self.wrap(model.to(self.device), ctx)
         self.build_optimizer()
 
@@ -206,8 +202,8 @@ class LocalBackwardStrategy:
             batch = batch.to(self.device)
             with self.gradient_sync(index == len(micro_batches) - 1), self.loss_context():
                 with self.ctx.precision.autocast(self.device):
-                    micro_loss = token_loss_sum(self.model(batch.inputs), batch.targets)
-                self.scaler.scale(micro_loss / total_tokens).backward()
+                    objective, micro_loss = self.spec.objective(self.model, self.model(batch.inputs), batch.targets)
+                self.scaler.scale(objective / total_tokens).backward()
             loss_sum += as_tensor(micro_loss.detach())
         self._marks["backward_done"] = self.ctx.clock.mark()
         self._marks |= self.ctx.comm.step_report()
@@ -244,7 +240,7 @@ class LocalBackwardStrategy:
         self.model.eval()
         batch = batch.to(self.device)
         with self.loss_context(), self.ctx.precision.autocast(self.device):
-            return as_tensor(token_loss_sum(self.model(batch.inputs), batch.targets)), batch.num_tokens
+            return as_tensor(self.spec.loss(self.model(batch.inputs), batch.targets)), batch.num_tokens
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

@@ -23,18 +23,21 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from distrain.models.spec import spec_of
+
 SCOPES = ("blocks", "model")
 
 
 def apply_compile(model: nn.Module, scope: str, backend: str) -> list[str]:
-    """Compile ``model``'s blocks (``scope="blocks"``, the ``model.blocks`` ModuleDict) or ``model`` itself in place
-    with ``backend``; returns the names of the compiled modules."""
+    """Compile ``model``'s blocks (``scope="blocks"``: its spec's units, the whole model when the spec names no
+    blocks) or ``model`` itself in place with ``backend``; returns the module paths of the compiled modules."""
     if scope == "model":
         model.compile(backend=backend)
         return [""]
-    for block in model.blocks.values():
+    spec = spec_of(model)
+    for block in spec.units(model):
         block.compile(backend=backend)
-    return [f"blocks.{name}" for name in model.blocks.keys()]
+    return spec.unit_names(model)
 
 
 def backend_problem(backend: str, device_type: str) -> str | None:

@@ -1,4 +1,4 @@
-"""``parallelism=fsdp``: PyTorch FSDP2 (``fully_shard``) on each transformer block and on the root."""
+"""``parallelism=fsdp``: PyTorch FSDP2 (``fully_shard``) on each of the model's blocks and on the root."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from distrain.models.spec import spec_of
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
 from distrain.precision.policy import PrecisionPolicy
 
@@ -46,13 +47,14 @@ class FSDPStrategy(LocalBackwardStrategy):
 def shard_blocks_and_root(
     model: nn.Module, mesh: DeviceMesh, precision: PrecisionPolicy, *, stage: int, cpu_offload: bool = False
 ) -> nn.Module:
-    """``fully_shard`` each of ``model.blocks`` and then ``model`` itself (its remaining parameters) over the 1-D
-    ``mesh``; parameters become DTensors sharded on dim 0. ``model`` may be a pipeline stage (any of the blocks)."""
+    """``fully_shard`` each of the model's blocks (its spec's units) and then ``model`` itself (its remaining
+    parameters) over the 1-D ``mesh``; parameters become DTensors sharded on dim 0. ``model`` may be a pipeline
+    stage (any of the blocks)."""
     mixed = MixedPrecisionPolicy(
         param_dtype=precision.compute_dtype if precision.uses_autocast else None, reduce_dtype=torch.float32
     )
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    for block in model.blocks.values():
+    for block in spec_of(model).block_modules(model).values():
         fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mixed, offload_policy=offload)
     # The root's own parameters (embeddings, final norm, head) are used last in forward and first in backward:
     # resharding them after forward would only add an all-gather.

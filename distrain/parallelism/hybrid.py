@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrain.parallelism.base import StrategyContext
 from distrain.parallelism.fsdp import shard_blocks_and_root
-from distrain.parallelism.pipeline import PipelineStrategy, StageModule
+from distrain.parallelism.pipeline import PipelineStrategy
 from distrain.parallelism.tensor import TensorParallelStrategy, parallelize_model
 from distrain.precision.policy import PrecisionPolicy
 
@@ -194,7 +194,7 @@ class _ComposedPipeline(PipelineStrategy):
     def pipeline_ranks(self, ctx: Any) -> tuple[int, int, dist.ProcessGroup | None]:
         return self.mesh["pp"].get_local_rank(), self.degrees.pp, self.mesh["pp"].get_group()
 
-    def parallelize_stage(self, module: StageModule) -> StageModule:
+    def parallelize_stage(self, module: nn.Module) -> nn.Module:
         return compose(module, self.mesh, self.degrees, self.ctx.precision, self.layout.fsdp_stage)
 
     @property

@@ -26,13 +26,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader
 from distrain.data.sampler import Batch
+from distrain.models.spec import spec_of
 from distrain.parallelism.base import (
     LocalBackwardStrategy,
     NonFiniteGradientError,
     StepResult,
     scale_to_norm,
     squared_grad_norm,
-    token_loss_sum,
 )
 from distrain.parallelism.memory import measure_torch_model_state
 from distrain.parallelism.recompute import apply_activation_checkpointing
@@ -65,59 +65,38 @@ def rank_stages(rank: int, ranks: int, num_stages: int) -> list[int]:
 
 def split_stages(
     model: nn.Module, num_stages: int, split_points: Sequence[int], stage_indices: Sequence[int]
-) -> list[StageModule]:
+) -> list[nn.Module]:
     """The ``stage_indices`` of ``model`` split into ``num_stages`` contiguous stages at ``split_points`` (block
-    indices where stages begin), or balanced by parameters when there are none."""
-    block_ids = list(model.blocks.keys())
+    indices where stages begin), or balanced by parameters when there are none. Each stage is the model itself with
+    the parts it does not hold removed (``ModelSpec.stage``); parameters are shared with ``model``."""
+    spec = spec_of(model)
+    blocks = spec.block_modules(model)
+    block_ids = list(blocks.keys())
     if split_points:
         bounds = [0, *split_points, len(block_ids)]
     else:
-        sizes = [sum(p.numel() for p in model.blocks[i].parameters()) for i in block_ids]
-        first = sum(p.numel() for n, p in model.named_parameters() if "emb" in n)
-        last = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("norm", "head")))
+        sizes = [sum(p.numel() for p in blocks[i].parameters()) for i in block_ids]
+        first, last = (
+            sum(p.numel() for name in names for p in model.get_submodule(name).parameters())
+            for names in (spec.before_blocks, spec.after_blocks)
+        )
         bounds = balanced_split(sizes, num_stages, first, last)
     return [
-        StageModule(model, block_ids[bounds[s] : bounds[s + 1]], first=s == 0, last=s == num_stages - 1)
+        spec.stage(model, block_ids[bounds[s] : bounds[s + 1]], first=s == 0, last=s == num_stages - 1)
         for s in stage_indices
     ]
 
 
-class StageModule(nn.Module):
-    """One pipeline stage of a GPT-like model (``tok_emb``, ``pos_emb``, ``blocks``, ``norm``, ``head``): the
-    embeddings if it is the first stage, its blocks, the head if it is the last. Parameter names match the full
-    model's, so checkpoints name every tensor as the unsplit model does."""
-
-    def __init__(self, model: nn.Module, block_ids: Sequence[str], first: bool, last: bool) -> None:
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.tok_emb, self.pos_emb = model.tok_emb, getattr(model, "pos_emb", None)
-        self.blocks = nn.ModuleDict({i: model.blocks[i] for i in block_ids})
-        if last:
-            self.norm, self.head = model.norm, model.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            tokens = x
-            x = self.tok_emb(tokens)
-            if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.blocks.values():
-            x = block(x)
-        return self.head(self.norm(x)) if self.last else x
-
-
-class RankModules(nn.Module):
-    """All parameters this rank holds (its stages together), under the full model's names: what the optimizer,
-    gradient clipping and checkpoints see."""
-
-    def __init__(self, stages: Sequence[StageModule]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleDict({i: b for stage in stages for i, b in stage.blocks.items()})
-        for stage in stages:
-            for name in ("tok_emb", "pos_emb", "norm", "head"):
-                if getattr(stage, name, None) is not None:
-                    setattr(self, name, getattr(stage, name))
+def rank_modules(model: nn.Module, stages: Sequence[nn.Module]) -> nn.Module:
+    """All parameters this rank holds (its stages together) as one module under the full model's names: what the
+    optimizer, gradient clipping and checkpoints see. Never called: each stage runs its own forward."""
+    spec = spec_of(model)
+    return spec.stage(
+        model,
+        [key for stage in stages for key in spec.block_modules(stage)],
+        first=any(spec.is_first_stage(stage) for stage in stages),
+        last=any(spec.is_last_stage(stage) for stage in stages),
+    )
 
 
 class PipelineStrategy(LocalBackwardStrategy):
@@ -162,12 +141,13 @@ class PipelineStrategy(LocalBackwardStrategy):
         num_stages = ranks * self.virtual_stages
         self.stage_indices = rank_stages(rank, ranks, num_stages)
         self.stage_modules = []
+        self.spec = spec_of(model)
         stages = split_stages(model, num_stages, self.split_points, self.stage_indices)
         for s, stage in zip(self.stage_indices, stages, strict=True):
             if s in self.recompute_stages:
                 apply_activation_checkpointing(stage, "full")
             self.stage_modules.append(self.parallelize_stage(stage.to(self.device)))
-        self.model = RankModules(self.stage_modules)
+        self.model = rank_modules(model, self.stage_modules)
         self.is_last = num_stages - 1 in self.stage_indices
         self.last_stage_rank = (num_stages - 1) % ranks  # within the pipeline group
         self.stages = [
@@ -208,12 +188,12 @@ class PipelineStrategy(LocalBackwardStrategy):
         """This rank's position in its pipeline, the pipeline's size, and its process group (None: all ranks)."""
         return ctx.env.rank, ctx.env.world_size, None
 
-    def parallelize_stage(self, module: StageModule) -> StageModule:
+    def parallelize_stage(self, module: nn.Module) -> nn.Module:
         """Hook for composed strategies: shard or split a stage's module before it joins the schedule."""
         return module
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, targets) / self._step_tokens
+        return self.spec.loss(logits, targets) / self._step_tokens
 
     @property
     def data_parallel(self) -> tuple[int, int]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from distrain.parallelism.base import token_loss_sum
+from distrain.models.spec import spec_of
 from distrain.parallelism.ddp import DDPStrategy
 from distrain.parallelism.fsdp import FSDPStrategy
 from distrain.parallelism.hybrid import MeshDegrees, _ComposedModel, _ComposedPipeline, build_mesh, compose
@@ -233,7 +233,7 @@ def _gathered_bytes(computing: Sequence[nn.Module], layout: _Layout) -> int:
         return 0
     total = 0
     for module in computing:  # already in the compute dtype
-        blocks = sorted((_whole_bytes(block) for block in module.blocks.values()), reverse=True)
+        blocks = sorted((_whole_bytes(block) for block in spec_of(module).block_modules(module).values()), reverse=True)
         root = _whole_bytes(module) - sum(blocks)
         total += root + (sum(blocks) if layout.fsdp_stage == 2 else sum(blocks[:2]))
     return total
@@ -253,16 +253,15 @@ def _in_flight(pipeline: PipelineStrategy, ranks: int, pp_rank: int) -> int:
 
 def _activation_bytes(module: nn.Module, sequences: int, seq_len: int, precision: PrecisionPolicy) -> int:
     """Bytes saved for backward by one forward (and the loss, on a stage with the head) of ``sequences``."""
-    first = getattr(module, "first", True)
-    last = getattr(module, "last", True)
-    if first:
+    spec = spec_of(module)
+    if spec.is_first_stage(module):
         inputs = torch.zeros(sequences, seq_len, dtype=torch.long, device="meta")
     else:
-        width = next(iter(module.blocks.values())).attn_norm.normalized_shape[0]
+        width = spec.hidden_width(module)
         dtype = precision.compute_dtype if precision.uses_autocast else torch.float32
         inputs = torch.zeros(sequences, seq_len, width, dtype=dtype, device="meta", requires_grad=True)
     targets = torch.zeros(sequences, seq_len, dtype=torch.long, device="meta")
-    loss = (lambda logits: token_loss_sum(logits, targets)) if last else None
+    loss = (lambda logits: spec.loss(logits, targets)) if spec.is_last_stage(module) else None
     return saved_activation_bytes(module, inputs, loss=loss, backward=False)
 
 
@@ -289,7 +288,8 @@ def _zero(
     gathered = 0
     if strategy.stage == 3:
         param_bytes = 2 if low_precision else 4
-        blocks = sorted((sum(p.numel() for p in b.parameters()) for b in model.blocks.values()), reverse=True)
+        units = spec_of(model).block_modules(model).values()
+        blocks = sorted((sum(p.numel() for p in b.parameters()) for b in units), reverse=True)
         gathered = (num_params - sum(blocks) + sum(blocks[:2])) * param_bytes
     if low_precision:
         model = model.to(precision.compute_dtype)

@@ -3,7 +3,7 @@ backward, trading about one extra forward per block for the memory of its activa
 
 ``apply_activation_checkpointing`` runs once on the unwrapped model, before any strategy wraps it. It replaces each
 chosen block's ``forward`` by a checkpointed call of the original, without renaming modules or parameters, so
-checkpoints, tensor-parallel plans (which address ``attn.wq`` inside each block), FSDP's per-block sharding,
+checkpoints, tensor-parallel plans (which address modules inside each block), FSDP's per-block sharding,
 DeepSpeed's per-module hooks and pipeline stages see the same model. The order torchtitan documents (tensor
 parallelism, then activation checkpointing, then FSDP) holds by construction: the recomputation happens inside
 the block, after FSDP has gathered its parameters for backward and with the tensor-parallel submodules' own hooks
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from distrain.models.spec import spec_of
 
 MODES = ("none", "full", "selective")
 
@@ -39,17 +41,18 @@ def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> list[str]:
-    """Make the chosen ones of ``model.blocks`` (a ModuleDict) recompute their activations in backward, in place;
-    returns their names. ``mode``: ``none``, ``full`` (every block) or ``selective`` (every ``every``-th block,
-    starting with the first)."""
-    names = list(model.blocks.keys())
-    chosen = [names[i] for i in chosen_blocks(len(names), mode, every)]
-    for name in chosen:
-        block = model.blocks[name]
+    """Make the chosen ones of the model's blocks (its spec's units: the whole model when the spec names no
+    blocks) recompute their activations in backward, in place; returns their module paths. ``mode``: ``none``,
+    ``full`` (every block) or ``selective`` (every ``every``-th block, starting with the first)."""
+    spec = spec_of(model)
+    units, names = spec.units(model), spec.unit_names(model)
+    chosen = chosen_blocks(len(units), mode, every)
+    for index in chosen:
+        block = units[index]
         if not getattr(block, "recomputes", False):  # applied once, however often asked (e.g. globally and per stage)
             block.forward = functools.partial(_recomputed, block.forward)
             block.recomputes = True
-    return chosen
+    return [names[index] for index in chosen]
 
 
 def saved_activation_bytes(

@@ -1,9 +1,10 @@
 """``parallelism=tensor``: Megatron-style tensor parallelism with DTensor over all ranks.
 
-In every block, q/k/v and the MLP's input projection are split by output columns (``ColwiseParallel``: each rank
-computes ``n_heads / ranks`` heads and ``hidden / ranks`` MLP units) and the attention output and MLP output
-projections by input rows (``RowwiseParallel``). By default embeddings, norms and the output head stay replicated, so
-the logits are whole on every rank and the loss is computed as in one process.
+The model's spec gives the plan, keyed to its own module names (``distrain.models.tensor_plans`` for the built-in
+decoders): in every block, q/k/v and the MLP's input projections are split by output columns (``ColwiseParallel``:
+each rank computes ``n_heads / ranks`` heads and ``hidden / ranks`` MLP units) and the attention output and MLP
+output projections by input rows (``RowwiseParallel``). By default embeddings, norms and the output head stay
+replicated, so the logits are whole on every rank and the loss is computed as in one process.
 
 Options:
 
@@ -29,61 +30,21 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+from distrain.models.spec import spec_of
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext, scale_to_norm, squared_grad_norm
 
 TP_AXIS = "tp"
-SEQUENCE = Shard(1)  # activations are (batch, sequence, features)
-
-
-def block_plan(sequence_parallel: bool) -> dict[str, object]:
-    """The plan for one transformer block; with ``sequence_parallel`` its input and output are sequence shards."""
-    plan: dict[str, object] = {
-        "attn.wq": ColwiseParallel(),
-        "attn.wk": ColwiseParallel(),
-        "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(output_layouts=SEQUENCE if sequence_parallel else Replicate()),
-        "mlp.w_in": ColwiseParallel(),
-        "mlp.w_out": RowwiseParallel(output_layouts=SEQUENCE if sequence_parallel else Replicate()),
-    }
-    if sequence_parallel:
-        gather = PrepareModuleInput(
-            input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
-        plan |= {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(), "attn": gather, "mlp": gather}
-    return plan
 
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
-    """Split ``model`` over the 1-D ``mesh`` (in place): every one of ``model.blocks``, and with either option the
-    head (column-parallel over the vocabulary). With ``sequence_parallel`` the first block splits its input along
-    the sequence (a local slice, no communication) and the final norm runs on sequence shards. Without options
-    ``model`` may be a pipeline stage; other parameters stay plain tensors, replicated."""
-    for block in model.blocks.values():
-        parallelize_module(block, mesh, block_plan(sequence_parallel))
-    if sequence_parallel:
-        split = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(SEQUENCE,), use_local_output=True
-        )
-        parallelize_module(next(iter(model.blocks.values())), mesh, split)
-        parallelize_module(model.norm, mesh, SequenceParallel())
-    if sequence_parallel or loss_parallel:
-        head = ColwiseParallel(
-            input_layouts=SEQUENCE if sequence_parallel else Replicate(),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-        parallelize_module(model.head, mesh, head)
-    return model
+    """Split ``model`` over the 1-D ``mesh`` (in place) by its spec's tensor-parallel plan: every block, and with
+    either option the head (column-parallel over the vocabulary) and, with ``sequence_parallel``, the first block's
+    input (a local slice along the sequence, no communication) and the final norm. Without options ``model`` may be
+    a pipeline stage; parameters outside the plan stay plain tensors, replicated."""
+    plan = spec_of(model).tensor_plan_for(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    return parallelize_module(model, mesh, plan)
 
 
 class TensorParallelStrategy(LocalBackwardStrategy):

@@ -24,7 +24,8 @@ from distrain.checkpoint.checkpointer import checkpoint_world_size
 from distrain.checkpoint.data_only import load_tensors_and_values
 from distrain.data.sampler import Batch
 from distrain.faults import maybe_inject_fault
-from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext, token_loss_sum
+from distrain.models.spec import spec_of
+from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext
 from distrain.parallelism.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
 
 CHECKPOINT_TAG = "deepspeed"
@@ -124,7 +125,7 @@ class ZeroStrategy:
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         deepspeed = import_deepspeed(ctx.env.device.type)
-        self.ctx, self.device = ctx, ctx.env.device
+        self.ctx, self.device, self.spec = ctx, ctx.env.device, spec_of(model)
         config = self.deepspeed_config(ctx)
         if ctx.env.is_main:
             Path(ctx.run_dir).mkdir(parents=True, exist_ok=True)
@@ -147,9 +148,9 @@ class ZeroStrategy:
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(micro_batches):
             batch = batch.to(self.device)
-            micro_loss = token_loss_sum(self.engine(batch.inputs), batch.targets)
+            objective, micro_loss = self.spec.objective(self.engine, self.engine(batch.inputs), batch.targets)
             # The engine divides by gradient_accumulation_steps itself: hand it the micro-batch's token mean.
-            self.engine.backward(micro_loss / batch.num_tokens)
+            self.engine.backward(objective / batch.num_tokens)
             measure = index == len(micro_batches) - 1 and self._state_bytes is None
             if measure:  # gradients exist only between the last backward and the step
                 counter = StorageCounter()
@@ -182,7 +183,7 @@ class ZeroStrategy:
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
         self.engine.eval()
         batch = batch.to(self.device)
-        return token_loss_sum(self.engine(batch.inputs), batch.targets), batch.num_tokens
+        return self.spec.loss(self.engine(batch.inputs), batch.targets), batch.num_tokens
 
     def current_lr(self) -> float:
         return self.engine.get_lr()[0]

@@ -178,15 +178,15 @@ def test_stages_are_balanced_by_parameters():
 @pytest.mark.parametrize(
     "overrides,key,allowed",
     [
-        (["model.n_layers=1"], "parallelism", "at most model.n_layers (1) stages"),
+        (["model.n_layers=1"], "parallelism", "at most 1 stages (the model's blocks)"),
         (["parallelism.microbatches=3"], "parallelism.microbatches", "a divisor of the 8 sequences"),
         (["parallelism.split_points=[1,2]"], "parallelism.split_points", "1 increasing block indices"),
         (["parallelism.schedule=interleaved", "parallelism.microbatches=1"], "parallelism.microbatches", "multiple"),
         (["parallelism=tensor", "model.n_heads=1"], "model.n_heads", "a multiple of the 2 tensor-parallel ranks"),
-        (["parallelism=tensor", "model=mlp"], "model", "a model with attention"),
+        (["parallelism=tensor", "model=mlp"], "model", "has no tensor-parallel plan"),
         (["parallelism=hybrid", "parallelism.pp=2", "parallelism.dp=2"], "parallelism.dp", "product is the world"),
         (["parallelism=hybrid", "parallelism.tp=2", "model.n_heads=1"], "model.n_heads", "2 tensor-parallel ranks"),
-        (["parallelism=hybrid", "parallelism.pp=2", "model.n_layers=1"], "parallelism", "at most model.n_layers"),
+        (["parallelism=hybrid", "parallelism.pp=2", "model.n_layers=1"], "parallelism", "at most 1 stages"),
         (["parallelism=hybrid", "parallelism.pp=2", "parallelism.microbatches=3"], "parallelism.microbatches", "8"),
         (
             ["parallelism=hybrid", "parallelism.pp=2", "parallelism.loss_parallel=true"],

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distrain.models.gpt.spec import GPT_SPEC
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
@@ -69,6 +71,8 @@ class GPT(nn.Module):
         dropout: dropout on attention and residual branches.
     """
 
+    parallel_spec = GPT_SPEC
+
     def __init__(
         self,
         *,
@@ -107,13 +111,13 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        """Logits (batch, seq, vocab) of ``tokens`` (batch, seq). A pipeline stage is this model with the children
+        it does not hold set to None: it then takes or returns hidden states (batch, seq, d_model)."""
+        x = tokens
+        if self.tok_emb is not None:
+            x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks.values():
             x = block(x)
-        return self.head(self.norm(x))
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per matmul parameter plus attention scores (PaLM appendix B)."""
-        matmul_params = sum(p.numel() for n, p in self.named_parameters() if p.dim() == 2 and "emb" not in n)
-        return 6.0 * matmul_params + 12.0 * self.n_layers * self.d_model * seq_len
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x) if self.head is not None else x

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distrain.models.spec import ModelSpec
+
 
 class MLPBlock(nn.Module):
     def __init__(self, d_model: int, hidden: int) -> None:
@@ -18,8 +20,17 @@ class MLPBlock(nn.Module):
         return x + self.w_out(F.gelu(self.w_in(self.norm(x))))
 
 
+# No tensor-parallel plan: the family is the smallest model every data-parallel strategy and the pipeline take.
+# FLOPs: the default (6 per linear weight; no attention, so no dependence on the context length).
+MLP_SPEC = ModelSpec(
+    name="mlp", blocks="blocks", before_blocks=("tok_emb",), after_blocks=("norm", "head"), width="d_model"
+)
+
+
 class MLPLanguageModel(nn.Module):
     """Embedding, ``n_layers`` residual MLP blocks, output head. Same (batch, seq) -> logits contract as GPT."""
+
+    parallel_spec = MLP_SPEC
 
     def __init__(self, *, vocab_size: int, max_seq_len: int, d_model: int, hidden: int, n_layers: int) -> None:
         super().__init__()
@@ -38,11 +49,10 @@ class MLPLanguageModel(nn.Module):
                 nn.init.normal_(param, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(tokens)
+        """Logits of ``tokens``; as a pipeline stage (children set to None) it takes or returns hidden states."""
+        x = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         for block in self.blocks.values():
             x = block(x)
-        return self.head(self.norm(x))
-
-    def flops_per_token(self, seq_len: int) -> float:
-        del seq_len  # no attention: cost does not depend on context length
-        return 6.0 * sum(p.numel() for n, p in self.named_parameters() if p.dim() == 2 and "emb" not in n)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x) if self.head is not None else x

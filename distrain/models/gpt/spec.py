@@ -1,0 +1,50 @@
+"""How the GPT family is split, sharded and counted (its ``ModelSpec``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from distrain.models.spec import ConfigProblem, ModelSpec
+from distrain.models.tensor_plans import DecoderNames, decoder_plan
+
+NAMES = DecoderNames(
+    blocks="blocks",
+    column=("attn.wq", "attn.wk", "attn.wv", "mlp.w_in"),
+    row=("attn.wo", "mlp.w_out"),
+    norms=("attn_norm", "mlp_norm"),
+    sublayers=("attn", "mlp"),
+    final_norm="norm",
+    head="head",
+)
+
+
+def tensor_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, object]:
+    return decoder_plan(model, NAMES, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def tensor_problem(model: nn.Module, degree: int, loss_parallel: bool) -> ConfigProblem | None:
+    """Heads and MLP units must split evenly over the ranks (the vocabulary, for loss_parallel, is checked for
+    every model)."""
+    if model.n_heads % degree:
+        return ConfigProblem("model.n_heads", model.n_heads, f"a multiple of the {degree} tensor-parallel ranks (tp)")
+    if model.mlp_ratio * model.d_model % degree:
+        return ConfigProblem("model.mlp_ratio", model.mlp_ratio, f"mlp_ratio x d_model divisible by {degree} ranks")
+    return None
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per matmul weight plus attention scores and values (PaLM appendix B)."""
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "emb" not in n)
+    return 6.0 * matmul + 12.0 * model.n_layers * model.d_model * seq_len
+
+
+GPT_SPEC = ModelSpec(
+    name="gpt",
+    blocks="blocks",
+    before_blocks=("tok_emb", "pos_emb"),
+    after_blocks=("norm", "head"),
+    width="d_model",
+    tensor_plan=tensor_plan,
+    tensor_problem=tensor_problem,
+    flops_per_token=flops_per_token,
+)

@@ -1,0 +1,72 @@
+"""How the Llama family is split, sharded and counted (its ``ModelSpec``), keyed to its module names."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from distrain.models.spec import ConfigProblem, ModelSpec
+from distrain.models.tensor_plans import DecoderNames, decoder_plan
+
+NAMES = DecoderNames(
+    blocks="layers",
+    column=("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
+    row=("attention.wo", "feed_forward.w2"),
+    norms=("attention_norm", "ffn_norm"),
+    sublayers=("attention", "feed_forward"),
+    final_norm="norm",
+    head="output",
+)
+
+
+def tensor_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, object]:
+    return decoder_plan(model, NAMES, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def tensor_problem(model: nn.Module, degree: int, loss_parallel: bool) -> ConfigProblem | None:
+    """Query heads, key/value heads and the MLP's hidden units split evenly over the ranks; a tied head cannot be
+    split over the vocabulary while its embedding stays whole."""
+    for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
+        if getattr(model, key) % degree:
+            return ConfigProblem(
+                f"model.{key}", getattr(model, key), f"a multiple of the {degree} tensor-parallel ranks"
+            )
+    if loss_parallel and model.tie_embeddings:
+        return ConfigProblem(
+            "model.tie_embeddings", True, "false with loss_parallel (the head is split, the embedding not)"
+        )
+    return None
+
+
+def pipeline_problem(model: nn.Module) -> str | None:
+    if model.tie_embeddings:
+        return "model.tie_embeddings=true puts one weight in the first and the last stage; set it false"
+    return None
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token of the whole (unsplit, unsharded) model at ``seq_len``.
+
+    ``6 * matmul weights`` (forward 2, backward 4; the LM head counts even when tied, the embedding lookup never)
+    plus attention scores and values, ``12 * n_layers * n_heads * head_dim * seq_len`` with no causal discount,
+    which is how ``torch.utils.flop_counter`` counts SDPA. Read from the model's attributes, so it is the same on
+    every pipeline stage and tensor-parallel rank.
+    """
+    d, hd = model.d_model, model.head_dim
+    attn_weights = 2 * d * model.n_heads * hd + 2 * d * model.n_kv_heads * hd
+    ffn_weights = 3 * d * model.ffn_hidden
+    matmul_weights = model.n_layers * (attn_weights + ffn_weights) + model.vocab_size * d
+    attention = 12 * model.n_layers * model.n_heads * hd * seq_len
+    return float(6 * matmul_weights + attention)
+
+
+LLAMA_SPEC = ModelSpec(
+    name="llama",
+    blocks="layers",
+    before_blocks=("tok_embeddings",),
+    after_blocks=("norm", "output"),
+    width="d_model",
+    tensor_plan=tensor_plan,
+    tensor_problem=tensor_problem,
+    pipeline_problem=pipeline_problem,
+    flops_per_token=flops_per_token,
+)

@@ -1,0 +1,193 @@
+"""The model contract: what generic code (parallelism, planning, monitoring) may ask of a model.
+
+A model family declares a ``ModelSpec`` beside its model (``distrain/models/<family>/spec.py``) and its model class
+names it as the class attribute ``parallel_spec``. Generic code calls ``spec_of(model)`` and then only the spec's
+methods; it never reads a family's attribute names. A model without ``parallel_spec`` gets ``WHOLE_MODEL``: one
+unit, no tensor-parallel plan, no pipeline split, 6 FLOPs per parameter per token; it trains under the
+data-parallel strategies (single, ddp, zero, fsdp) and the others refuse it with one line.
+
+The pieces a spec names:
+
+- ``blocks``: the dotted path of an ``nn.ModuleDict`` of the repeated blocks. They are FSDP's sharding units,
+  activation checkpointing's and compile's units and the pipeline's split points. Each block is called with the
+  hidden states alone.
+- ``before_blocks`` / ``after_blocks``: the model's own children used before the first block (embeddings) and after
+  the last (final norm, output head). A pipeline stage is the model itself with the children it does not hold set to
+  ``None`` and only its blocks left in the ``ModuleDict``; the model's one forward skips what is ``None``.
+- ``width``: the attribute holding the residual width (the hidden states a middle pipeline stage receives).
+- ``tensor_plan``: ``(model, sequence_parallel, loss_parallel) -> {module path: ParallelStyle}`` keyed to the family's
+  own module names, over the blocks the model (or pipeline stage) holds; ``tensor_problem`` says which config key
+  does not divide by the tensor-parallel degree.
+- ``flops_per_token``, ``loss`` (summed next-token loss on the model's output) and ``auxiliary_loss`` (a per-forward
+  loss the model computed, e.g. a mixture of experts' load balancing, added to the objective but not reported as the
+  loss), ``metrics`` (values to log after a step, e.g. tokens per expert).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TensorPlan = Callable[..., dict[str, object]]
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """A model config value a layout cannot use: the key, its value and what is allowed."""
+
+    key: str
+    value: object
+    allowed: str
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over (batch, seq) logits, in fp32 whatever the autocast dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """6 training FLOPs (forward and backward) per weight of every ``nn.Linear``, each weight counted once per use;
+    no attention term. The default for models whose spec says nothing else."""
+    del seq_len
+    return 6.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How a model family is split, sharded, counted and trained (see the module docstring)."""
+
+    name: str
+    blocks: str | None = None
+    before_blocks: tuple[str, ...] = ()
+    after_blocks: tuple[str, ...] = ()
+    width: str | None = None
+    tensor_plan: TensorPlan | None = None
+    tensor_problem: Callable[[nn.Module, int, bool], ConfigProblem | None] | None = None
+    pipeline_problem: Callable[[nn.Module], str | None] | None = None
+    flops_per_token: Callable[[nn.Module, int], float] = matmul_flops_per_token
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss
+    auxiliary_loss: Callable[[nn.Module], torch.Tensor | None] | None = None
+    metrics: Callable[[nn.Module], dict[str, float]] | None = None
+
+    # ------------------------------------------------------------------------------------------- blocks
+    def block_modules(self, model: nn.Module) -> nn.ModuleDict:
+        """The repeated blocks of ``model`` (or of a pipeline stage of it), in forward order; empty when the spec
+        names none."""
+        if self.blocks is None:
+            return nn.ModuleDict()
+        return model.get_submodule(self.blocks)
+
+    def units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules FSDP shards, activation checkpointing recomputes and compile traces one by one: the blocks,
+        or the whole model when the spec names none."""
+        blocks = self.block_modules(model)
+        return list(blocks.values()) if len(blocks) else [model]
+
+    def unit_names(self, model: nn.Module) -> list[str]:
+        """Module paths of ``units(model)`` ("" for the model itself)."""
+        blocks = self.block_modules(model)
+        return [f"{self.blocks}.{key}" for key in blocks] if len(blocks) else [""]
+
+    # ------------------------------------------------------------------------------------------- pipeline
+    def splittable_problem(self, model: nn.Module) -> str | None:
+        """Why ``model`` cannot be split into pipeline stages (None: it can)."""
+        if self.blocks is None or not self.before_blocks or not self.after_blocks:
+            return (
+                f"the {self.name} model's spec names no blocks to split (ModelSpec.blocks/before_blocks/after_blocks)"
+            )
+        if self.auxiliary_loss is not None:
+            return (
+                f"the {self.name} model adds an auxiliary loss inside its blocks, which a pipeline stage cannot return"
+            )
+        return self.pipeline_problem(model) if self.pipeline_problem else None
+
+    def stage(self, model: nn.Module, block_ids: Iterable[str], *, first: bool, last: bool) -> nn.Module:
+        """A pipeline stage: a shallow copy of ``model`` holding the blocks ``block_ids``, the ``before_blocks``
+        children when ``first`` and the ``after_blocks`` ones when ``last``; the rest are ``None``. Parameters are
+        shared with ``model`` and keep the full model's names (checkpoints name every tensor as the unsplit model)."""
+        keep = set(block_ids)
+        stage = _shallow_copy_along(model, self.blocks)
+        blocks = stage.get_submodule(self.blocks)
+        for key in [k for k in blocks if k not in keep]:
+            del blocks[key]
+        for name in (() if first else self.before_blocks) + (() if last else self.after_blocks):
+            stage._modules[name] = None
+        return stage
+
+    def is_first_stage(self, stage: nn.Module) -> bool:
+        return all(stage._modules.get(name) is not None for name in self.before_blocks)
+
+    def is_last_stage(self, stage: nn.Module) -> bool:
+        return all(stage._modules.get(name) is not None for name in self.after_blocks)
+
+    def hidden_width(self, model: nn.Module) -> int:
+        """The residual width: the last dimension of the hidden states passed between blocks."""
+        if self.width is None:
+            raise ValueError(f"the {self.name} model's spec names no width (ModelSpec.width)")
+        return int(getattr(model, self.width))
+
+    # ------------------------------------------------------------------------------------------- tensor parallel
+    def tensor_plan_for(self, model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, object]:
+        """The tensor-parallel plan of ``model`` (whole or a pipeline stage): module path -> ``ParallelStyle``."""
+        if self.tensor_plan is None:
+            raise ValueError(f"the {self.name} model has no tensor-parallel plan (ModelSpec.tensor_plan)")
+        return self.tensor_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+    def tensor_parallel_problem(self, model: nn.Module, degree: int, loss_parallel: bool) -> ConfigProblem | str | None:
+        """Why ``model`` cannot be split over ``degree`` tensor-parallel ranks (None: it can)."""
+        if self.tensor_plan is None:
+            return f"the {self.name} model has no tensor-parallel plan (ModelSpec.tensor_plan)"
+        return self.tensor_problem(model, degree, loss_parallel) if self.tensor_problem else None
+
+    # ------------------------------------------------------------------------------------------- training
+    def objective(
+        self, model: nn.Module, output: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what backward runs on, the summed loss to report) for one forward's ``output``. An auxiliary loss (a
+        mean over the micro-batch) enters the objective weighted by the micro-batch's token count, so that dividing
+        by the step's tokens makes it a token-weighted mean over the step's micro-batches, like the loss."""
+        loss = self.loss(output, targets)
+        auxiliary = self.auxiliary_loss(model) if self.auxiliary_loss else None
+        if auxiliary is None:
+            return loss, loss
+        return loss + auxiliary * targets.numel(), loss
+
+    def step_metrics(self, model: nn.Module) -> dict[str, float]:
+        """Model-specific values to log after a step (this rank's)."""
+        return self.metrics(model) if self.metrics else {}
+
+
+WHOLE_MODEL = ModelSpec(name="whole-model")
+
+
+def spec_of(model: nn.Module) -> ModelSpec:
+    """The spec ``model``'s class declares as ``parallel_spec``, else ``WHOLE_MODEL``."""
+    spec = getattr(type(model), "parallel_spec", None)
+    if spec is None:
+        return WHOLE_MODEL
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"{type(model).__qualname__}.parallel_spec is {type(spec).__name__}, not a ModelSpec")
+    return spec
+
+
+def _shallow_copy_along(model: nn.Module, path: str) -> nn.Module:
+    """A copy of ``model`` sharing every parameter, whose modules along ``path`` (inclusive) are copies too, so that
+    children can be removed from the copy without touching ``model``."""
+    root = _module_copy(model)
+    parent = root
+    for name in path.split("."):
+        child = _module_copy(parent._modules[name])
+        parent._modules[name] = child
+        parent = child
+    return root
+
+
+def _module_copy(module: nn.Module) -> nn.Module:
+    duplicate = copy.copy(module)
+    duplicate._modules = dict(module._modules)
+    return duplicate
