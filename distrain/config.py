@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from distrain.models.gpt.config import GPTConfig
 from distrain.models.llama.config import LlamaConfig
 from distrain.models.mlp.config import MLPConfig
+from distrain.models.moe.config import MoEConfig
 
 # ---------------------------------------------------------------------------------------------- choices
 
@@ -422,7 +423,7 @@ class Config:
 # Schemas live in ``schema/<group>`` (not offered as options); each option's YAML extends one with
 # ``defaults: [/schema/<group>/<name>@_here_, _self_]``.
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"gpt": GPTConfig, "mlp": MLPConfig, "llama": LlamaConfig},
+    "model": {"gpt": GPTConfig, "mlp": MLPConfig, "llama": LlamaConfig, "moe": MoEConfig},
     "data": {"stdlib": StdlibDataConfig, "synthetic": SyntheticDataConfig},
     "parallelism": {
         "single": SingleConfig,

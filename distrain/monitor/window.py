@@ -92,7 +92,8 @@ class LogWindow:
         self.paused += seconds
 
     def close(self) -> dict[str, Any]:
-        """The window's metrics record, identical on every rank. Collective: one all_gather."""
+        """The window's metrics record, identical on every rank but for the model's own metrics (this rank's).
+        Collective: one all_gather."""
         steps = self.steps
         elapsed = self.clock.seconds(self.started, self.clock.mark()) - self.paused
         phases = {name: 0.0 for name in PHASES}
@@ -113,8 +114,18 @@ class LogWindow:
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         per_rank = torch.cat(gathered).cpu()  # [rank, field]
+        model_metrics = self._model_metrics()
         self._reset()
-        return self._record(per_rank, steps, elapsed)
+        return self._record(per_rank, steps, elapsed) | model_metrics
+
+    def _model_metrics(self) -> dict[str, float]:
+        """The model's own step metrics (``ModelSpec.metrics``, e.g. tokens per expert), averaged over the window's
+        steps. This rank's values, not gathered: they describe the routing of the batches this rank saw."""
+        sums: dict[str, float] = {}
+        for marks in self.marks:
+            for name, value in marks.get("model_metrics", {}).items():
+                sums[name] = sums.get(name, 0.0) + float(value) / self.steps
+        return sums
 
     def _record(self, per_rank: torch.Tensor, steps: int, elapsed: float) -> dict[str, Any]:
         column = {name: per_rank[:, i] for i, name in enumerate(_FIELDS)}

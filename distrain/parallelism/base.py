@@ -207,6 +207,7 @@ class LocalBackwardStrategy:
             loss_sum += as_tensor(micro_loss.detach())
         self._marks["backward_done"] = self.ctx.clock.mark()
         self._marks |= self.ctx.comm.step_report()
+        self._marks["model_metrics"] = self.spec.step_metrics(self.model)
         grad_norm = self.clip_gradients()
         skipped = False
         # The norm is computed from synchronised gradients, so every rank takes the same decision. With a grad

@@ -157,7 +157,7 @@ class ZeroStrategy:
                 grad_bytes = self._gradient_bytes(counter)
             last = index == len(micro_batches) - 1
             if last:
-                marks = {"backward_done": self.ctx.clock.mark()}
+                marks = {"backward_done": self.ctx.clock.mark(), "model_metrics": self.spec.step_metrics(self.engine)}
             self.updating = last  # stays set if the step fails: DeepSpeed may have applied part of it
             self.engine.step()  # steps the optimizer and scheduler only at the accumulation boundary
             if last:

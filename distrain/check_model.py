@@ -1,0 +1,201 @@
+"""Check a model under every layout: ``python -m distrain.check_model model=llama_tiny [override ...]``.
+
+Trains the configured model for a few steps (fp32, the same global batch and seed) in one process and then under
+each parallel layout, each run a real ``train.py`` with its own ranks, and prints one row per layout: the loss
+after the last step, the largest difference from the one-process losses over all steps, and pass (within
+``--tolerance``), fail, unsupported (the layout refuses the model before any rank starts, with the reason) or
+error (the run failed; its last line). Exit status: 0 when no layout failed or erred, 1 otherwise, 2 for a config
+mistake in the overrides.
+
+Every other argument is a Hydra override of ``train.py``'s config, e.g. ``model=moe_tiny``, or a user's own model
+``model._target_=my_pkg.MyModel +model.width=256``. A data-parallel layout splits the same global batch over its
+ranks, so a layout is exact when its losses equal the one-process ones to floating-point rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from distrain.config import register_configs
+from distrain.config_checks import ConfigError
+from distrain.overrides import composition_error
+
+REPO = Path(__file__).resolve().parents[1]
+SEQUENCES = 4  # sequences per micro-step, over all data-parallel ranks
+ACCUMULATION = 2  # micro-steps per optimizer step
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One row of the check: a parallelism option with its settings, its ranks and its data-parallel degree."""
+
+    name: str
+    overrides: tuple[str, ...]
+    ranks: int
+    data_parallel: int
+
+
+LAYOUTS = [
+    Layout("single", ("parallelism=single",), 1, 1),
+    Layout("ddp", ("parallelism=ddp",), 2, 2),
+    Layout("fsdp", ("parallelism=fsdp",), 2, 2),
+    Layout("zero1", ("parallelism=zero", "stage=1"), 2, 2),
+    Layout("zero2", ("parallelism=zero", "stage=2"), 2, 2),
+    Layout("zero3", ("parallelism=zero", "stage=3"), 2, 2),
+    Layout("tensor", ("parallelism=tensor",), 2, 1),
+    Layout(
+        "tensor_sp_lp",
+        ("parallelism=tensor", "parallelism.sequence_parallel=true", "parallelism.loss_parallel=true"),
+        2,
+        1,
+    ),
+    Layout("pipeline", ("parallelism=pipeline", "parallelism.microbatches=4"), 2, 1),
+    Layout("hybrid_dp2_tp2", ("parallelism=hybrid", "parallelism.tp=2"), 4, 2),
+    Layout(
+        "hybrid_tp2_pp2",
+        ("parallelism=hybrid", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=4"),
+        4,
+        1,
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Row:
+    layout: Layout
+    result: str  # reference | pass | fail | unsupported | error
+    losses: tuple[float, ...] = ()
+    max_difference: float | None = None
+    note: str = ""
+
+
+def layout_overrides(layout: Layout, steps: int, user: list[str]) -> list[str]:
+    """``train.py`` overrides of one layout's run: the user's, then the check's fixed settings (which win)."""
+    return [
+        *user,
+        *layout.overrides,
+        f"distributed.nproc_per_node={layout.ranks}",
+        f"data.micro_batch_size={SEQUENCES // layout.data_parallel}",
+        f"trainer.grad_accum_steps={ACCUMULATION}",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "trainer.eval_batches=1",
+        "trainer.progress_bar=false",
+        "precision=fp32",
+        "checkpoint=none",
+        "logger=none",
+    ]
+
+
+def refusal(overrides: list[str]) -> str | None:
+    """Why validation refuses this run before any rank starts (None: it would start)."""
+    from distrain.validate import validate
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    try:
+        validate(cfg)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def run_layout(layout: Layout, steps: int, user: list[str], workdir: Path, timeout_s: float) -> Row:
+    """Validate, then train one layout with ``train.py``; its per-step losses from the run's metrics.jsonl."""
+    overrides = layout_overrides(layout, steps, user)
+    refused = refusal(overrides)
+    if refused:
+        return Row(layout, "unsupported", note=refused)
+    if torch.cuda.is_available() and layout.ranks > torch.cuda.device_count():
+        return Row(layout, "unsupported", note=f"needs {layout.ranks} GPUs, {torch.cuda.device_count()} visible")
+    run_dir = workdir / layout.name
+    command = [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return Row(layout, "error", note=f"no result within {timeout_s:.0f} s")
+    metrics = run_dir / "metrics.jsonl"
+    if done.returncode != 0 or not metrics.exists():
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        return Row(layout, "error", note=lines[-1] if lines else f"exit status {done.returncode}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    losses = tuple(float(r["loss"]) for r in records if "loss" in r)
+    return Row(layout, "ran", losses=losses)
+
+
+def compared(row: Row, reference: Row, tolerance: float) -> Row:
+    """``row`` judged against the one-process losses: pass when every step's loss is within ``tolerance``."""
+    if row.result != "ran":
+        return row
+    if row.layout is reference.layout:
+        return Row(row.layout, "reference", row.losses, 0.0)
+    if len(row.losses) != len(reference.losses):
+        return Row(
+            row.layout, "fail", row.losses, None, f"{len(row.losses)} steps logged, expected {len(reference.losses)}"
+        )
+    worst = max(abs(a - b) for a, b in zip(row.losses, reference.losses, strict=True))
+    return Row(row.layout, "pass" if worst <= tolerance else "fail", row.losses, worst)
+
+
+def table(rows: list[Row], steps: int) -> str:
+    lines = [f"{'layout':<16} {'ranks':>5} {f'loss@{steps}':>10} {'max |diff|':>11}  result"]
+    for row in rows:
+        loss = f"{row.losses[-1]:.5f}" if row.losses else "-"
+        diff = "-" if row.max_difference is None else f"{row.max_difference:.2e}"
+        note = f": {row.note}" if row.note else ""
+        lines.append(f"{row.layout.name:<16} {row.layout.ranks:>5} {loss:>10} {diff:>11}  {row.result}{note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distrain.check_model", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per layout (default 6)")
+    parser.add_argument("--tolerance", type=float, default=1e-3, help="largest allowed |loss difference|")
+    parser.add_argument("--layouts", default=",".join(layout.name for layout in LAYOUTS), help="comma-separated")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
+    args, user = parser.parse_known_args(argv)
+    known = {layout.name: layout for layout in LAYOUTS}
+    chosen = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in known]
+    if unknown or args.steps < 1:
+        what = f"--layouts {','.join(unknown)}" if unknown else f"--steps {args.steps}"
+        print(f"distrain: check_model: {what} is not allowed: one of {', '.join(known)}; steps >= 1", file=sys.stderr)
+        return 2
+    problem = composition_error(user)
+    if problem:
+        print(f"distrain: invalid config: {problem}", file=sys.stderr)
+        return 2
+    layouts = [known["single"], *(known[name] for name in chosen if name != "single")]
+    with tempfile.TemporaryDirectory(prefix="check_model_") as workdir:
+        rows: list[Row] = []
+        for layout in layouts:
+            print(f"checking {layout.name} ...", file=sys.stderr, flush=True)
+            rows.append(run_layout(layout, args.steps, user, Path(workdir), args.timeout))
+    reference = rows[0]
+    if reference.result != "ran":
+        print(table(rows[:1], args.steps))
+        print("distrain: check_model: the one-process run failed; nothing to compare with", file=sys.stderr)
+        return 1
+    rows = [compared(row, reference, args.tolerance) for row in rows]
+    print(table(rows, args.steps))
+    failed = [row.layout.name for row in rows if row.result in ("fail", "error")]
+    if failed:
+        print(f"distrain: check_model: {', '.join(failed)} did not match one process", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""A Llama-style decoder whose MLP is a mixture of top-k routed SwiGLU experts (Mixtral's layout).
+
+Attention and norms are the Llama family's own. Each MoE layer keeps its routing statistics of the last forward as
+plain attributes (``last_aux_loss`` and friends), which the family's spec reads to add the auxiliary loss to the
+objective and to log the experts' load. The model holds no buffers, so it can be built on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from distrain.models.llama.model import Attention, RMSNorm
+from distrain.models.moe.spec import MOE_SPEC
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k routed SwiGLU experts, every token to exactly ``top_k`` experts (no capacity, nothing dropped).
+
+    The experts' weights are 3-D parameters with the expert as dim 0 (``w1`` gate and ``w3`` up: (n_experts,
+    expert_hidden, d_model); ``w2`` down: (n_experts, d_model, expert_hidden)), so expert parallelism can shard dim 0.
+
+    Args:
+        d_model: width of the input and output.
+        expert_hidden: SwiGLU hidden units of one expert.
+        n_experts: number of experts.
+        top_k: experts per token; their gates are renormalised to sum to 1.
+        load_balance_coef: weight of the Switch Transformer load-balancing loss.
+        z_loss_coef: weight of the ST-MoE router z-loss.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        expert_hidden: int,
+        n_experts: int,
+        top_k: int,
+        load_balance_coef: float = 0.01,
+        z_loss_coef: float = 0.001,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k {top_k} must be between 1 and n_experts {n_experts}")
+        self.n_experts, self.top_k = n_experts, top_k
+        self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(n_experts, expert_hidden, d_model))
+        self.w3 = nn.Parameter(torch.empty(n_experts, expert_hidden, d_model))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_model, expert_hidden))
+        # The last forward's routing, overwritten by every forward (read by the spec, never by this module).
+        self.last_aux_loss: Tensor | None = None
+        self.last_load_balance: Tensor | None = None
+        self.last_z_loss: Tensor | None = None
+        self.last_tokens_per_expert: Tensor | None = None
+
+    def route(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Route ``tokens`` (n, d_model): (router logits (n, n_experts) fp32, chosen experts (n, top_k), their
+        renormalised gates (n, top_k) fp32), all on the tokens' device."""
+        logits = self.router(tokens).float()
+        probs = logits.softmax(dim=-1)
+        top_probs, experts = probs.topk(self.top_k, dim=-1)
+        gates = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        return logits, experts, gates
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the experts to ``x`` (..., d_model) on its device; returns the same shape and dtype."""
+        tokens = x.reshape(-1, x.shape[-1])
+        logits, experts, gates = self.route(tokens)
+        slots = experts.flatten()  # slot j is token j // top_k's choice j % top_k
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, slots, torch.ones_like(slots))
+        # Group the slots by expert: a stable sort keeps each expert's tokens in order, so results are reproducible.
+        order = slots.argsort(stable=True)
+        token_of_slot = order // self.top_k
+        expert_out = self._experts(tokens.index_select(0, token_of_slot), self._group_sizes(counts, slots.numel()))
+        weighted = expert_out * gates.flatten().index_select(0, order)[:, None]
+        out = torch.zeros_like(tokens).index_add_(0, token_of_slot, weighted.to(tokens.dtype))
+        self._record(logits, counts)
+        return out.view_as(x)
+
+    def _group_sizes(self, counts: Tensor, num_slots: int) -> list[int]:
+        """Token-slots per expert as Python ints (one host sync). On the meta device, where there are no values, a
+        balanced routing: what the dry-run planner's activation estimate assumes."""
+        if counts.device.type != "meta":
+            return counts.tolist()
+        base, extra = divmod(num_slots, self.n_experts)
+        return [base + (expert < extra) for expert in range(self.n_experts)]
+
+    def _experts(self, grouped: Tensor, sizes: list[int]) -> Tensor:
+        """SwiGLU of each expert on its contiguous group of ``grouped`` (slots, d_model) rows, on their device."""
+        # unbind, not w1[e]: its backward stacks the experts' gradients once instead of one full-size zero each.
+        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
+        outputs = []
+        for expert, rows in enumerate(grouped.split(sizes)):
+            if rows.shape[0] == 0:
+                continue
+            hidden = F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())
+            outputs.append(hidden @ w2[expert].t())
+        return torch.cat(outputs)
+
+    def _record(self, logits: Tensor, counts: Tensor) -> None:
+        """Store the auxiliary loss (with grad) and the detached routing statistics of this forward."""
+        slot_fraction = counts.float() / counts.sum().clamp_min(1)  # f_i: no gradient, as in Switch
+        mean_prob = logits.softmax(dim=-1).mean(dim=0)  # P_i: the router's gradient path
+        load_balance = self.n_experts * (slot_fraction * mean_prob).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        self.last_aux_loss = self.load_balance_coef * load_balance + self.z_loss_coef * z_loss
+        self.last_load_balance = load_balance.detach()
+        self.last_z_loss = z_loss.detach()
+        self.last_tokens_per_expert = counts.detach()
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm decoder block with a mixture-of-experts MLP; ``forward`` takes the hidden states only."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        expert_hidden: int,
+        n_experts: int,
+        top_k: int,
+        load_balance_coef: float,
+        z_loss_coef: float,
+        norm_eps: float,
+        rope_theta: float,
+    ) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(d_model, norm_eps)
+        self.attention = Attention(d_model, n_heads, n_kv_heads, rope_theta, None)
+        self.ffn_norm = RMSNorm(d_model, norm_eps)
+        self.moe = MoEFeedForward(d_model, expert_hidden, n_experts, top_k, load_balance_coef, z_loss_coef)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Run the block on ``x`` (batch, seq, d_model) on its device."""
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.moe(self.ffn_norm(h))
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts decoder: embedding, ``n_layers`` MoE blocks, final norm and LM head.
+
+    As for Llama, a pipeline splitter may set ``tok_embeddings``, ``norm`` or ``output`` to None and drop entries of
+    ``layers``; ``forward`` then skips them (the spec refuses pipelines anyway, for the auxiliary loss).
+    """
+
+    parallel_spec = MOE_SPEC
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        max_seq_len: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        expert_hidden: int,
+        n_experts: int,
+        top_k: int,
+        load_balance_coef: float = 0.01,
+        z_loss_coef: float = 0.001,
+        norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if d_model % n_heads or (d_model // n_heads) % 2:
+            raise ValueError(f"d_model {d_model} must split into {n_heads} heads of even size")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
+        self.vocab_size, self.max_seq_len, self.d_model = vocab_size, max_seq_len, d_model
+        self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = n_layers, n_heads, n_kv_heads, d_model // n_heads
+        self.expert_hidden, self.n_experts, self.top_k = expert_hidden, n_experts, top_k
+        self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
+        self.norm_eps, self.rope_theta, self.init_std = norm_eps, rope_theta, init_std
+
+        self.tok_embeddings = nn.Embedding(vocab_size, d_model)
+        block_args = (d_model, n_heads, n_kv_heads, expert_hidden, n_experts, top_k)
+        block_args += (load_balance_coef, z_loss_coef, norm_eps, rope_theta)
+        self.layers = nn.ModuleDict({str(i): MoEBlock(*block_args) for i in range(n_layers)})
+        self.norm = RMSNorm(d_model, norm_eps)
+        self.output = nn.Linear(d_model, vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise in place, on whatever device the parameters live (meta included).
+
+        Residual-branch outputs (``wo`` and the experts' ``w2``) get ``init_std / sqrt(2 * n_layers)``; each expert
+        alone sees the residual stream as a dense MLP would, so the experts share the dense model's stds.
+        """
+        residual_std = self.init_std / math.sqrt(2 * self.n_layers)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        for name, param in self.named_parameters():
+            if param.dim() >= 2:
+                std = residual_std if name.endswith(("wo.weight", "moe.w2")) else self.init_std
+                nn.init.normal_(param, mean=0.0, std=std)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Token ids (batch, seq), or hidden states (batch, seq, d_model) when there is no embedding, to logits
+        (batch, seq, vocab), or to hidden states when ``output`` is None; all on the input's device."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h

@@ -1,0 +1,81 @@
+"""How the mixture-of-experts family is split, sharded and counted (its ``ModelSpec``).
+
+This module does not import the model (the model imports it): the MoE layers are found by duck typing, as the
+modules holding a ``last_aux_loss`` attribute, which works on the model itself, a DDP/FSDP/ZeRO wrapper of it and
+a pipeline stage of it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distrain.models.spec import ModelSpec
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The MoE feed-forward modules of ``model`` (or of a wrapper or stage of it), in module order."""
+    return [module for module in model.modules() if hasattr(module, "last_aux_loss")]
+
+
+def auxiliary_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum over the MoE layers of the last forward's auxiliary loss (load balancing + router z-loss, already scaled
+    by their coefficients; a 0-dim tensor on the model's device); None before any forward."""
+    losses = [layer.last_aux_loss for layer in moe_layers(model) if layer.last_aux_loss is not None]
+    if not losses:
+        return None
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total
+
+
+def metrics(model: nn.Module) -> dict[str, float]:
+    """Routing statistics of this rank's last forward, as floats (one host sync per step):
+
+    - ``moe_load_balance``: the Switch balance term ``n_experts * sum_i f_i P_i`` (1 when balanced), mean over layers;
+    - ``moe_z_loss``: the router z-loss ``mean(logsumexp(logits)^2)``, mean over layers;
+    - ``moe_max_load``: the busiest expert's token count over the mean count, max over layers (1 when balanced);
+    - ``moe_expert{i}_frac``: the share of all token-slots (tokens x top_k, all layers) routed to expert i.
+    """
+    layers = [layer for layer in moe_layers(model) if layer.last_tokens_per_expert is not None]
+    if not layers:
+        return {}
+    counts = torch.stack([layer.last_tokens_per_expert.float() for layer in layers])  # (layers, experts)
+    balance = torch.stack([torch.as_tensor(layer.last_load_balance, dtype=torch.float32) for layer in layers])
+    z_loss = torch.stack([torch.as_tensor(layer.last_z_loss, dtype=torch.float32) for layer in layers])
+    max_load = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).max()
+    shares = counts.sum(dim=0) / counts.sum().clamp_min(1e-12)
+    values = torch.cat([balance.mean()[None], z_loss.mean()[None], max_load[None], shares]).tolist()
+    names = ["moe_load_balance", "moe_z_loss", "moe_max_load"] + [f"moe_expert{i}_frac" for i in range(len(shares))]
+    return dict(zip(names, values, strict=True))
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token of the whole model at ``seq_len``, counting the ACTIVE weights only.
+
+    ``6 * (attention projections + top_k experts' SwiGLU weights + router, per layer; + the output head)`` plus the
+    attention term ``12 * n_layers * n_heads * head_dim * seq_len`` (as the Llama spec, how FlopCounterMode counts
+    SDPA). Exact, not an average: every token goes to exactly ``top_k`` experts and no token is dropped.
+    """
+    d, hd = model.d_model, model.head_dim
+    attn_weights = 2 * d * model.n_heads * hd + 2 * d * model.n_kv_heads * hd
+    expert_weights = model.top_k * 3 * d * model.expert_hidden
+    router_weights = d * model.n_experts
+    matmul_weights = model.n_layers * (attn_weights + expert_weights + router_weights) + model.vocab_size * d
+    attention = 12 * model.n_layers * model.n_heads * hd * seq_len
+    return float(6 * matmul_weights + attention)
+
+
+# No tensor plan (experts are not split across tensor-parallel ranks) and, through the auxiliary loss, no pipeline.
+MOE_SPEC = ModelSpec(
+    name="moe",
+    blocks="layers",
+    before_blocks=("tok_embeddings",),
+    after_blocks=("norm", "output"),
+    width="d_model",
+    tensor_plan=None,
+    flops_per_token=flops_per_token,
+    auxiliary_loss=auxiliary_loss,
+    metrics=metrics,
+)
