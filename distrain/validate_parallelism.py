@@ -177,7 +177,10 @@ def validate_pipeline(cfg: DictConfig, world_size: int) -> None:
 def validate_tensor(cfg: DictConfig, world_size: int) -> None:
     """The model's spec has a tensor-parallel plan whose heads and widths split evenly over the ranks."""
     model, spec = meta_model(cfg)
-    problem = spec.tensor_parallel_problem(model, world_size, bool(cfg.parallelism.loss_parallel))
+    options = cfg.parallelism
+    problem = spec.tensor_parallel_problem(
+        model, world_size, bool(options.loss_parallel), bool(options.get("sequence_parallel", False))
+    )
     raise_problem(cfg, problem, "tensor parallelism")
     if cfg.checkpoint.async_save:
         raise ConfigError("checkpoint.async_save", True, f"false with parallelism={cfg.parallelism.name}")

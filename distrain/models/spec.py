@@ -16,8 +16,9 @@ The pieces a spec names:
   ``None`` and only its blocks left in the ``ModuleDict``; the model's one forward skips what is ``None``.
 - ``width``: the attribute holding the residual width (the hidden states a middle pipeline stage receives).
 - ``tensor_plan``: ``(model, sequence_parallel, loss_parallel) -> {module path: ParallelStyle}`` keyed to the family's
-  own module names, over the blocks the model (or pipeline stage) holds; ``tensor_problem`` says which config key
-  does not divide by the tensor-parallel degree.
+  own module names, over the blocks the model (or pipeline stage) holds; ``tensor_options`` lists the options the
+  plan implements (``sequence_parallel``, ``loss_parallel``); ``tensor_problem`` says which config key does not
+  divide by the tensor-parallel degree.
 - ``flops_per_token``, ``loss`` (summed next-token loss on the model's output) and ``auxiliary_loss`` (a per-forward
   loss the model computed, e.g. a mixture of experts' load balancing, added to the objective but not reported as the
   loss), ``metrics`` (values to log after a step, e.g. tokens per expert).
@@ -67,6 +68,7 @@ class ModelSpec:
     after_blocks: tuple[str, ...] = ()
     width: str | None = None
     tensor_plan: TensorPlan | None = None
+    tensor_options: tuple[str, ...] = ()  # the plan's forms besides the plain one: sequence_parallel, loss_parallel
     tensor_problem: Callable[[nn.Module, int, bool], ConfigProblem | None] | None = None
     pipeline_problem: Callable[[nn.Module], str | None] | None = None
     flops_per_token: Callable[[nn.Module, int], float] = matmul_flops_per_token
@@ -138,10 +140,17 @@ class ModelSpec:
             raise ValueError(f"the {self.name} model has no tensor-parallel plan (ModelSpec.tensor_plan)")
         return self.tensor_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
-    def tensor_parallel_problem(self, model: nn.Module, degree: int, loss_parallel: bool) -> ConfigProblem | str | None:
-        """Why ``model`` cannot be split over ``degree`` tensor-parallel ranks (None: it can)."""
+    def tensor_parallel_problem(
+        self, model: nn.Module, degree: int, loss_parallel: bool = False, sequence_parallel: bool = False
+    ) -> ConfigProblem | str | None:
+        """Why ``model`` cannot be split over ``degree`` tensor-parallel ranks with these options (None: it can)."""
         if self.tensor_plan is None:
             return f"the {self.name} model has no tensor-parallel plan (ModelSpec.tensor_plan)"
+        for option, chosen in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+            if chosen and option not in self.tensor_options:
+                return ConfigProblem(
+                    f"parallelism.{option}", True, f"false: the {self.name} model's tensor plan has no {option} form"
+                )
         return self.tensor_problem(model, degree, loss_parallel) if self.tensor_problem else None
 
     # ------------------------------------------------------------------------------------------- training

@@ -25,8 +25,6 @@ from torch import nn
 
 from distrain.models.spec import spec_of
 
-SCOPES = ("blocks", "model")
-
 
 def apply_compile(model: nn.Module, scope: str, backend: str) -> list[str]:
     """Compile ``model``'s blocks (``scope="blocks"``: its spec's units, the whole model when the spec names no

@@ -45,6 +45,7 @@ GPT_SPEC = ModelSpec(
     after_blocks=("norm", "head"),
     width="d_model",
     tensor_plan=tensor_plan,
+    tensor_options=("sequence_parallel", "loss_parallel"),
     tensor_problem=tensor_problem,
     flops_per_token=flops_per_token,
 )

@@ -66,6 +66,7 @@ LLAMA_SPEC = ModelSpec(
     after_blocks=("norm", "output"),
     width="d_model",
     tensor_plan=tensor_plan,
+    tensor_options=("sequence_parallel", "loss_parallel"),
     tensor_problem=tensor_problem,
     pipeline_problem=pipeline_problem,
     flops_per_token=flops_per_token,
