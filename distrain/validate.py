@@ -207,6 +207,15 @@ def _validate_model_and_data(cfg: DictConfig) -> None:
             "empty (plain RoPE) or Hugging Face's llama3 scaling: {rope_type: llama3, factor, low_freq_factor, "
             "high_freq_factor, original_max_position_embeddings}",
         )
+    for key in ("expert_hidden", "n_experts"):
+        if key in model_cfg:
+            check(cfg, f"model.{key}", at_least(1), "an integer >= 1")
+    if "top_k" in model_cfg and "n_experts" in model_cfg:
+        experts = model_cfg.n_experts
+        check(cfg, "model.top_k", lambda v: 1 <= v <= experts, f"1..model.n_experts ({experts})")
+    for key in ("load_balance_coef", "z_loss_coef"):
+        if key in model_cfg:
+            check(cfg, f"model.{key}", at_least(0), "a number >= 0")
     if model_cfg.get("n_kv_heads") and "n_heads" in model_cfg:
         heads = model_cfg.n_heads
         check(cfg, "model.n_kv_heads", lambda v: heads % v == 0, f"a divisor of model.n_heads ({heads}), or null")

@@ -21,7 +21,8 @@ The pieces a spec names:
   divide by the tensor-parallel degree.
 - ``flops_per_token``, ``loss`` (summed next-token loss on the model's output) and ``auxiliary_loss`` (a per-forward
   loss the model computed, e.g. a mixture of experts' load balancing, added to the objective but not reported as the
-  loss), ``metrics`` (values to log after a step, e.g. tokens per expert).
+  loss), ``metrics`` (values to log after a step, e.g. tokens per expert), and ``to_hf``/``from_hf`` (state-dict
+  renaming to and from the family's Hugging Face counterpart).
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class ModelSpec:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss
     auxiliary_loss: Callable[[nn.Module], torch.Tensor | None] | None = None
     metrics: Callable[[nn.Module], dict[str, float]] | None = None
+    # State-dict renaming to and from Hugging Face's names for the family (None: no HF counterpart).
+    to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    from_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------------------------------- blocks
     def block_modules(self, model: nn.Module) -> nn.ModuleDict:

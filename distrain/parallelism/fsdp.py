@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from distrain.models.spec import spec_of
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
@@ -54,9 +56,23 @@ def shard_blocks_and_root(
         param_dtype=precision.compute_dtype if precision.uses_autocast else None, reduce_dtype=torch.float32
     )
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    options = {"mp_policy": mixed, "offload_policy": offload, "shard_placement_fn": _shard_placement(mesh)}
     for block in spec_of(model).block_modules(model).values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mixed, offload_policy=offload)
+        fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3, **options)
     # The root's own parameters (embeddings, final norm, head) are used last in forward and first in backward:
     # resharding them after forward would only add an all-gather.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **options)
     return model
+
+
+def _shard_placement(mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard | None]:
+    """Dim 0 (FSDP's default), except for a parameter whose dim 0 is smaller than the ranks sharding it (a mixture
+    of experts' stacked experts): split that one on its largest dimension, so no rank is left without a share."""
+    ranks = mesh.size(mesh.ndim - 1)  # the sharding axis: the last one (before it, HSDP's replicas)
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        if param.dim() >= 2 and param.shape[0] < ranks:
+            return Shard(max(range(param.dim()), key=lambda dim: param.shape[dim]))
+        return None
+
+    return placement

@@ -148,3 +148,18 @@ def test_train_py_refuses_a_layout_the_model_cannot_take_in_one_line(tmp_path):
 def test_generic_packages_exist():
     assert all((REPO / entry).exists() for entry in GENERIC), [e for e in GENERIC if not (REPO / e).exists()]
     assert Path(REPO / "distrain/models/spec.py").exists()
+
+
+def test_fsdp_shards_stacked_experts_over_more_ranks_than_experts():
+    """Mixtral's 8 experts per layer over 64 ranks: every rank holds 1/64 of the parameters (planned on the fake
+    process group with FSDP's own sharding), not the 1/8 that splitting the experts' dimension would give."""
+    from distrain.dry_run import plan
+
+    common = ["model=mixtral_8x7b", "dry_run=true", "target.ranks_per_node=8", "target.device=cuda"]
+    common += ["parallelism=fsdp", "precision=bf16", "data.micro_batch_size=1", "data.seq_len=256"]
+    params = {}
+    for nodes in (1, 8):
+        report = plan(compose_config([*common, f"target.nodes={nodes}"]))
+        params[nodes] = report.ranks[0].params
+    total = 46_702_792_704 * 4  # fp32 parameters
+    assert abs(params[8] / (total / 64) - 1) < 0.01 and abs(params[1] / (total / 8) - 1) < 0.01, params

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from distrain.models.llama.hf import from_hf, to_hf
 from distrain.models.spec import ConfigProblem, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
@@ -70,4 +71,6 @@ LLAMA_SPEC = ModelSpec(
     tensor_problem=tensor_problem,
     pipeline_problem=pipeline_problem,
     flops_per_token=flops_per_token,
+    to_hf=to_hf,
+    from_hf=from_hf,
 )

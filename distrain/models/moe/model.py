@@ -42,8 +42,14 @@ class MoEFeedForward(nn.Module):
         z_loss_coef: float = 0.001,
     ) -> None:
         super().__init__()
+        for name, value in (("expert_hidden", expert_hidden), ("n_experts", n_experts)):
+            if value < 1:
+                raise ValueError(f"{name} is {value}: it must be an integer >= 1")
         if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k {top_k} must be between 1 and n_experts {n_experts}")
+            raise ValueError(f"top_k is {top_k}: it must be in 1..n_experts ({n_experts})")
+        for name, value in (("load_balance_coef", load_balance_coef), ("z_loss_coef", z_loss_coef)):
+            if value < 0:
+                raise ValueError(f"{name} is {value}: it must be a number >= 0")
         self.n_experts, self.top_k = n_experts, top_k
         self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
@@ -55,20 +61,30 @@ class MoEFeedForward(nn.Module):
         self.last_load_balance: Tensor | None = None
         self.last_z_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None
+        self.reset_parameters()
 
-    def route(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Route ``tokens`` (n, d_model): (router logits (n, n_experts) fp32, chosen experts (n, top_k), their
-        renormalised gates (n, top_k) fp32), all on the tokens' device."""
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        """Normal init in place on the parameters' device (meta included): router, ``w1`` and ``w3`` with ``std``,
+        the down projection ``w2`` with ``out_std`` (default ``std``)."""
+        for param in (self.router.weight, self.w1, self.w3):
+            nn.init.normal_(param, mean=0.0, std=std)
+        nn.init.normal_(self.w2, mean=0.0, std=std if out_std is None else out_std)
+
+    def route(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Route ``tokens`` (n, d_model): router logits and probabilities (n, n_experts), the chosen experts
+        (n, top_k) and their gates renormalised to sum to 1 (n, top_k); fp32 whatever the autocast dtype, on the
+        tokens' device."""
         logits = self.router(tokens).float()
         probs = logits.softmax(dim=-1)
         top_probs, experts = probs.topk(self.top_k, dim=-1)
         gates = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        return logits, experts, gates
+        return logits, probs, experts, gates
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the experts to ``x`` (..., d_model) on its device; returns the same shape and dtype."""
         tokens = x.reshape(-1, x.shape[-1])
-        logits, experts, gates = self.route(tokens)
+        logits, probs, experts, gates = self.route(tokens)
         slots = experts.flatten()  # slot j is token j // top_k's choice j % top_k
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device)
         counts.scatter_add_(0, slots, torch.ones_like(slots))
@@ -78,7 +94,7 @@ class MoEFeedForward(nn.Module):
         expert_out = self._experts(tokens.index_select(0, token_of_slot), self._group_sizes(counts, slots.numel()))
         weighted = expert_out * gates.flatten().index_select(0, order)[:, None]
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, weighted.to(tokens.dtype))
-        self._record(logits, counts)
+        self._record(logits, probs, counts)
         return out.view_as(x)
 
     def _group_sizes(self, counts: Tensor, num_slots: int) -> list[int]:
@@ -101,10 +117,10 @@ class MoEFeedForward(nn.Module):
             outputs.append(hidden @ w2[expert].t())
         return torch.cat(outputs)
 
-    def _record(self, logits: Tensor, counts: Tensor) -> None:
+    def _record(self, logits: Tensor, probs: Tensor, counts: Tensor) -> None:
         """Store the auxiliary loss (with grad) and the detached routing statistics of this forward."""
         slot_fraction = counts.float() / counts.sum().clamp_min(1)  # f_i: no gradient, as in Switch
-        mean_prob = logits.softmax(dim=-1).mean(dim=0)  # P_i: the router's gradient path
+        mean_prob = probs.mean(dim=0)  # P_i: the load-balancing term's only gradient path
         load_balance = self.n_experts * (slot_fraction * mean_prob).sum()
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
         self.last_aux_loss = self.load_balance_coef * load_balance + self.z_loss_coef * z_loss
@@ -199,9 +215,11 @@ class MoE(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, MoEFeedForward):
+                module.reset_parameters(self.init_std, residual_std)
         for name, param in self.named_parameters():
-            if param.dim() >= 2:
-                std = residual_std if name.endswith(("wo.weight", "moe.w2")) else self.init_std
+            if param.dim() == 2 and ".moe." not in name:
+                std = residual_std if name.endswith("wo.weight") else self.init_std
                 nn.init.normal_(param, mean=0.0, std=std)
 
     def forward(self, tokens: Tensor) -> Tensor:
