@@ -7,9 +7,11 @@ after the last step, the largest difference from the one-process losses over all
 error (the run failed; its last line). Exit status: 0 when no layout failed or erred, 1 otherwise, 2 for a config
 mistake in the overrides.
 
-Every other argument is a Hydra override of ``train.py``'s config, e.g. ``model=moe_tiny``, or a user's own model
-``model._target_=my_pkg.MyModel +model.width=256``. A data-parallel layout splits the same global batch over its
-ranks, so a layout is exact when its losses equal the one-process ones to floating-point rounding.
+Every other argument is a Hydra override of ``train.py``'s config, e.g. ``model=moe_tiny model.n_layers=2``, or a
+user's own model with its config file in ``conf/model/`` (``model=my_mlp``). The layouts' own keys (parallelism,
+stage, precision, batch, steps, checkpoint, logger, run directory) belong to the check and cannot be overridden.
+A data-parallel layout splits the same global batch over its ranks, so a layout is exact when its losses equal the
+one-process ones to floating-point rounding.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +34,11 @@ from distrain.config_checks import ConfigError
 from distrain.overrides import composition_error
 
 REPO = Path(__file__).resolve().parents[1]
+# Keys the check sets for every layout; a user override of one would be silently replaced.
+OWNED = (
+    "parallelism", "stage", "precision", "distributed.nproc_per_node", "data.micro_batch_size",
+    "trainer.grad_accum_steps", "trainer.max_steps", "checkpoint", "logger", "hydra",
+)  # fmt: skip
 SEQUENCES = 4  # sequences per micro-step, over all data-parallel ranks
 ACCUMULATION = 2  # micro-steps per optimizer step
 
@@ -79,6 +87,12 @@ class Row:
     note: str = ""
 
 
+def owned_key(override: str) -> bool:
+    """Whether ``override`` sets a key the check sets itself (``OWNED``, or a key inside one of those groups)."""
+    key = override.lstrip("+~").split("=")[0]
+    return any(key == owned or key.startswith(f"{owned}.") for owned in OWNED)
+
+
 def layout_overrides(layout: Layout, steps: int, user: list[str]) -> list[str]:
     """``train.py`` overrides of one layout's run: the user's, then the check's fixed settings (which win)."""
     return [
@@ -103,12 +117,14 @@ def refusal(overrides: list[str]) -> str | None:
     from distrain.validate import validate
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
     try:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
         validate(cfg)
     except ConfigError as err:
         return str(err)
+    except Exception as err:  # an override this layout's config cannot take (e.g. a pipeline key without a pipeline)
+        return (str(err).strip().splitlines() or [type(err).__name__])[0]
     return None
 
 
@@ -122,17 +138,33 @@ def run_layout(layout: Layout, steps: int, user: list[str], workdir: Path, timeo
         return Row(layout, "unsupported", note=f"needs {layout.ranks} GPUs, {torch.cuda.device_count()} visible")
     run_dir = workdir / layout.name
     command = [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
+    # A session of its own: on a timeout the ranks the launcher started are killed with it.
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                               start_new_session=True)  # fmt: skip
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+        _, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return Row(layout, "error", note=f"no result within {timeout_s:.0f} s")
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return Row(layout, "error", note=f"no result within {timeout_s:.0f} s (--timeout)")
     metrics = run_dir / "metrics.jsonl"
-    if done.returncode != 0 or not metrics.exists():
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        return Row(layout, "error", note=lines[-1] if lines else f"exit status {done.returncode}")
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    losses = tuple(float(r["loss"]) for r in records if "loss" in r)
-    return Row(layout, "ran", losses=losses)
+    if process.returncode != 0 or not metrics.exists():
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        return Row(layout, "error", note=lines[-1] if lines else f"exit status {process.returncode}")
+    return Row(layout, "ran", losses=logged_losses(metrics))
+
+
+def logged_losses(metrics: Path) -> tuple[float, ...]:
+    """The per-step training losses of a run's metrics.jsonl (lines that are not whole records are skipped)."""
+    losses = []
+    for line in metrics.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("loss"), int | float):
+            losses.append(float(record["loss"]))
+    return tuple(losses)
 
 
 def compared(row: Row, reference: Row, tolerance: float) -> Row:
@@ -172,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.steps < 1:
         what = f"--layouts {','.join(unknown)}" if unknown else f"--steps {args.steps}"
         print(f"distrain: check_model: {what} is not allowed: one of {', '.join(known)}; steps >= 1", file=sys.stderr)
+        return 2
+    owned = [override for override in user if owned_key(override)]
+    if owned:
+        print(
+            f"distrain: check_model: {owned[0]} is not allowed: the check sets {', '.join(OWNED)} itself",
+            file=sys.stderr,
+        )
         return 2
     problem = composition_error(user)
     if problem:

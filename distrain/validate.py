@@ -25,6 +25,7 @@ from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
 from distrain.validate_parallelism import (
     meta_model,
+    spec_for_config,
     validate_comm,
     validate_hybrid,
     validate_pipeline,
@@ -177,7 +178,7 @@ def _validate_model_and_data(cfg: DictConfig) -> None:
     """Model sizes, the data's shape, the data against the model (sequence length, largest token id), and that the
     model builds (on the meta device). Keys a model's config lacks are not checked."""
     model_cfg = cfg.model
-    for key in ("d_model", "n_layers", "vocab_size", "max_seq_len", "n_kv_heads", "ffn_hidden"):
+    for key in ("vocab_size", "max_seq_len"):  # the two keys every model config may have (the data reads them)
         if model_cfg.get(key) is not None:
             check(cfg, f"model.{key}", at_least(1), "an integer >= 1")
     check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1 (sequences per rank per micro-step)")
@@ -191,45 +192,13 @@ def _validate_model_and_data(cfg: DictConfig) -> None:
     if "vocab_size" in cfg.data.corpus and vocab_size:
         check(cfg, "data.corpus.vocab_size", lambda v: 2 <= v <= vocab_size, f"2..model.vocab_size ({vocab_size})")
 
-    for key in ("model.mlp_ratio", "model.hidden"):
-        if key.split(".")[1] in cfg.model:
-            check(cfg, key, at_least(1), "an integer >= 1")
-    if "dropout" in cfg.model:
-        check(cfg, "model.dropout", lambda v: 0 <= v < 1, "a probability in [0, 1)")
-    for key in ("norm_eps", "rope_theta", "init_std"):
-        if key in model_cfg:
-            check(cfg, f"model.{key}", positive, "a number > 0")
-    if "rope_scaling" in model_cfg:
-        check(
-            cfg,
-            "model.rope_scaling",
-            lambda v: not v or v.get("rope_type", v.get("type")) == "llama3",
-            "empty (plain RoPE) or Hugging Face's llama3 scaling: {rope_type: llama3, factor, low_freq_factor, "
-            "high_freq_factor, original_max_position_embeddings}",
-        )
-    for key in ("expert_hidden", "n_experts"):
-        if key in model_cfg:
-            check(cfg, f"model.{key}", at_least(1), "an integer >= 1")
-    if "top_k" in model_cfg and "n_experts" in model_cfg:
-        experts = model_cfg.n_experts
-        check(cfg, "model.top_k", lambda v: 1 <= v <= experts, f"1..model.n_experts ({experts})")
-    for key in ("load_balance_coef", "z_loss_coef"):
-        if key in model_cfg:
-            check(cfg, f"model.{key}", at_least(0), "a number >= 0")
-    if model_cfg.get("n_kv_heads") and "n_heads" in model_cfg:
-        heads = model_cfg.n_heads
-        check(cfg, "model.n_kv_heads", lambda v: heads % v == 0, f"a divisor of model.n_heads ({heads}), or null")
+    family = spec_for_config(cfg)
+    if family.check_config:
+        family.check_config(cfg)  # the family's own keys (heads, widths, ...), next to its model
     largest_token = largest_token_id(cfg.data.corpus)
     if vocab_size and largest_token >= vocab_size:
         raise ConfigError("model.vocab_size", vocab_size, f"more than the data's largest token id ({largest_token})")
-    if "n_heads" in cfg.model:
-        check(
-            cfg,
-            "model.n_heads",
-            lambda v: v >= 1 and cfg.model.d_model % v == 0,
-            f"a divisor of model.d_model ({cfg.model.d_model})",
-        )
-    meta_model(cfg)
+    meta_model(cfg, strict=False)  # the constructor's own refusals (bad sizes, unknown keys), before any rank
 
 
 def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 from torch import nn
 
 from distrain.config_checks import ConfigError, at_least, check, positive
-from distrain.models.spec import ConfigProblem, ModelSpec, spec_of
+from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
 
 # Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
 STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3), "hybrid": (2, 3)}
@@ -23,16 +23,31 @@ def model_name(cfg: DictConfig) -> str:
     return str(cfg.model.get("_target_", "?")).rsplit(".", 1)[-1]
 
 
-def meta_model(cfg: DictConfig) -> tuple[nn.Module, ModelSpec]:
+def spec_for_config(cfg: DictConfig) -> ModelSpec:
+    """The spec of the configured model's class (its ``parallel_spec``), found without building the model."""
+    target = cfg.model.get("_target_")
+    try:
+        built = get_object(target)
+    except Exception as err:
+        cause = err.__cause__ or err
+        raise ConfigError("model._target_", target, f"an importable class ({type(cause).__name__}: {cause})") from None
+    spec = getattr(built, "parallel_spec", None)
+    return spec if isinstance(spec, ModelSpec) else WHOLE_MODEL
+
+
+def meta_model(cfg: DictConfig, strict: bool = True) -> tuple[nn.Module, ModelSpec] | None:
     """The configured model built on the meta device (shapes, no storage) and its spec: what is asked about the
     model before any rank starts. A model its config cannot build is a config error naming the constructor's
-    complaint."""
+    complaint. Not ``strict``: only the constructor's refusals of its arguments (TypeError, ValueError) are errors;
+    a model that cannot be built on the meta device (it reads a tensor's value) is then not inspected (None)."""
     try:
         with torch.device("meta"):
             model = instantiate(cfg.model)
         return model, spec_of(model)
     except Exception as err:
         cause = err.__cause__ or err
+        if not strict and not isinstance(cause, TypeError | ValueError):
+            return None
         detail = (str(cause).strip().splitlines() or [""])[0]
         raise ConfigError(
             "model", model_name(cfg), f"a model its config builds ({type(cause).__name__}: {detail})"

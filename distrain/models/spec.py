@@ -17,8 +17,9 @@ The pieces a spec names:
 - ``width``: the attribute holding the residual width (the hidden states a middle pipeline stage receives).
 - ``tensor_plan``: ``(model, sequence_parallel, loss_parallel) -> {module path: ParallelStyle}`` keyed to the family's
   own module names, over the blocks the model (or pipeline stage) holds; ``tensor_options`` lists the options the
-  plan implements (``sequence_parallel``, ``loss_parallel``); ``tensor_problem`` says which config key does not
-  divide by the tensor-parallel degree.
+  plan implements (``sequence_parallel``, ``loss_parallel``); ``tensor_problem(model, degree, split_head)`` says
+  which config key does not divide by the tensor-parallel degree (``split_head``: an option splits the output head
+  over the vocabulary).
 - ``flops_per_token``, ``loss`` (summed next-token loss on the model's output) and ``auxiliary_loss`` (a per-forward
   loss the model computed, e.g. a mixture of experts' load balancing, added to the objective but not reported as the
   loss), ``metrics`` (values to log after a step, e.g. tokens per expert), and ``to_hf``/``from_hf`` (state-dict
@@ -30,6 +31,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +55,9 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 def matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """6 training FLOPs (forward and backward) per weight of every ``nn.Linear``, each weight counted once per use;
-    no attention term. The default for models whose spec says nothing else."""
+    """6 training FLOPs (forward and backward) per weight of every ``nn.Linear`` module, counted once per module (a
+    module called twice per token is undercounted); no attention term. The default for models whose spec says
+    nothing else."""
     del seq_len
     return 6.0 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
 
@@ -76,6 +79,8 @@ class ModelSpec:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss
     auxiliary_loss: Callable[[nn.Module], torch.Tensor | None] | None = None
     metrics: Callable[[nn.Module], dict[str, float]] | None = None
+    # Checks of the family's own config keys (``distrain.config_checks.check``), run before any rank starts.
+    check_config: Callable[[Any], None] | None = None
     # State-dict renaming to and from Hugging Face's names for the family (None: no HF counterpart).
     to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     from_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
@@ -110,12 +115,20 @@ class ModelSpec:
             return (
                 f"the {self.name} model adds an auxiliary loss inside its blocks, which a pipeline stage cannot return"
             )
+        names = (self.blocks, *self.before_blocks, *self.after_blocks)
+        missing = [name for name in names if name not in model._modules]
+        if missing:
+            return f"the {self.name} model has no child module {', '.join(missing)} (the spec names its own children)"
+        own = [name for name, _ in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]]
+        if own:
+            return f"the {self.name} model holds {', '.join(own)} itself, in no stage's module: move it into a child"
         return self.pipeline_problem(model) if self.pipeline_problem else None
 
     def stage(self, model: nn.Module, block_ids: Iterable[str], *, first: bool, last: bool) -> nn.Module:
         """A pipeline stage: a shallow copy of ``model`` holding the blocks ``block_ids``, the ``before_blocks``
-        children when ``first`` and the ``after_blocks`` ones when ``last``; the rest are ``None``. Parameters are
-        shared with ``model`` and keep the full model's names (checkpoints name every tensor as the unsplit model)."""
+        children when ``first`` and the ``after_blocks`` ones when ``last``; the rest are ``None``. The children (so
+        every parameter) are shared with ``model`` and keep the full model's names (checkpoints name every tensor as
+        the unsplit model); the copied root and blocks container have their own tables of children and hooks."""
         keep = set(block_ids)
         stage = _shallow_copy_along(model, self.blocks)
         blocks = stage.get_submodule(self.blocks)
@@ -126,9 +139,11 @@ class ModelSpec:
         return stage
 
     def is_first_stage(self, stage: nn.Module) -> bool:
+        """Whether ``stage`` (or the whole model) holds the modules before the blocks: it takes token ids."""
         return all(stage._modules.get(name) is not None for name in self.before_blocks)
 
     def is_last_stage(self, stage: nn.Module) -> bool:
+        """Whether ``stage`` (or the whole model) holds the modules after the blocks: it returns logits."""
         return all(stage._modules.get(name) is not None for name in self.after_blocks)
 
     def hidden_width(self, model: nn.Module) -> int:
@@ -155,7 +170,8 @@ class ModelSpec:
                 return ConfigProblem(
                     f"parallelism.{option}", True, f"false: the {self.name} model's tensor plan has no {option} form"
                 )
-        return self.tensor_problem(model, degree, loss_parallel) if self.tensor_problem else None
+        split_head = loss_parallel or sequence_parallel  # either splits the output head over the vocabulary
+        return self.tensor_problem(model, degree, split_head) if self.tensor_problem else None
 
     # ------------------------------------------------------------------------------------------- training
     def objective(
@@ -201,6 +217,10 @@ def _shallow_copy_along(model: nn.Module, path: str) -> nn.Module:
 
 
 def _module_copy(module: nn.Module) -> nn.Module:
+    """A new module object over the same children, parameters and buffers, whose own tables (children, parameters,
+    buffers, hooks) are copies: a child removed or a hook (FSDP's, a user's) registered on it stays on it."""
     duplicate = copy.copy(module)
-    duplicate._modules = dict(module._modules)
+    for name, value in vars(module).items():
+        if name.startswith("_") and isinstance(value, dict):
+            setattr(duplicate, name, copy.copy(value))  # keeps OrderedDict and the hooks' dict types
     return duplicate

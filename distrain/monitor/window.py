@@ -116,7 +116,8 @@ class LogWindow:
         per_rank = torch.cat(gathered).cpu()  # [rank, field]
         model_metrics = self._model_metrics()
         self._reset()
-        return self._record(per_rank, steps, elapsed) | model_metrics
+        record = self._record(per_rank, steps, elapsed)
+        return record | {name: value for name, value in model_metrics.items() if name not in record}
 
     def _model_metrics(self) -> dict[str, float]:
         """The model's own step metrics (``ModelSpec.metrics``, e.g. tokens per expert), averaged over the window's

@@ -174,6 +174,7 @@ class LocalBackwardStrategy:
         self.ctx = ctx
         self.device = ctx.env.device
         self.spec = spec_of(model)
+        self.unwrapped = model  # what the spec's auxiliary loss and metrics read (self.model may be DDP's wrapper)
         self.model = self.wrap(model.to(self.device), ctx)
         self.build_optimizer()
 
@@ -202,12 +203,12 @@ class LocalBackwardStrategy:
             batch = batch.to(self.device)
             with self.gradient_sync(index == len(micro_batches) - 1), self.loss_context():
                 with self.ctx.precision.autocast(self.device):
-                    objective, micro_loss = self.spec.objective(self.model, self.model(batch.inputs), batch.targets)
+                    objective, micro_loss = self.spec.objective(self.unwrapped, self.model(batch.inputs), batch.targets)
                 self.scaler.scale(objective / total_tokens).backward()
             loss_sum += as_tensor(micro_loss.detach())
         self._marks["backward_done"] = self.ctx.clock.mark()
         self._marks |= self.ctx.comm.step_report()
-        self._marks["model_metrics"] = self.spec.step_metrics(self.model)
+        self._marks["model_metrics"] = self.spec.step_metrics(self.unwrapped)
         grad_norm = self.clip_gradients()
         skipped = False
         # The norm is computed from synchronised gradients, so every rank takes the same decision. With a grad

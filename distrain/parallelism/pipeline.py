@@ -184,6 +184,12 @@ class PipelineStrategy(LocalBackwardStrategy):
 
             setattr(stage, method, timed)
 
+    def train_mode(self, training: bool) -> None:
+        """Training or evaluation mode for every stage (the stages' roots are not children of ``self.model``)."""
+        self.model.train(training)
+        for module in self.stage_modules:
+            module.train(training)
+
     def pipeline_ranks(self, ctx: Any) -> tuple[int, int, dist.ProcessGroup | None]:
         """This rank's position in its pipeline, the pipeline's size, and its process group (None: all ranks)."""
         return ctx.env.rank, ctx.env.world_size, None
@@ -212,7 +218,7 @@ class PipelineStrategy(LocalBackwardStrategy):
         return loss
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
-        self.model.train()
+        self.train_mode(True)
         inputs = torch.cat([b.inputs for b in micro_batches]).to(self.device)
         targets = torch.cat([b.targets for b in micro_batches]).to(self.device)
         self._step_tokens = targets.numel()
@@ -247,7 +253,7 @@ class PipelineStrategy(LocalBackwardStrategy):
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
         """Forward-only through the pipeline; every rank returns the last stage's summed loss (one broadcast)."""
-        self.model.eval()
+        self.train_mode(False)
         self._step_tokens = 1
         inputs, targets = batch.inputs.to(self.device), batch.targets.to(self.device)
         if self.is_last and 0 in self.stage_indices:

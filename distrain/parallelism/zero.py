@@ -148,7 +148,7 @@ class ZeroStrategy:
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(micro_batches):
             batch = batch.to(self.device)
-            objective, micro_loss = self.spec.objective(self.engine, self.engine(batch.inputs), batch.targets)
+            objective, micro_loss = self.spec.objective(self.engine.module, self.engine(batch.inputs), batch.targets)
             # The engine divides by gradient_accumulation_steps itself: hand it the micro-batch's token mean.
             self.engine.backward(objective / batch.num_tokens)
             measure = index == len(micro_batches) - 1 and self._state_bytes is None
@@ -157,7 +157,10 @@ class ZeroStrategy:
                 grad_bytes = self._gradient_bytes(counter)
             last = index == len(micro_batches) - 1
             if last:
-                marks = {"backward_done": self.ctx.clock.mark(), "model_metrics": self.spec.step_metrics(self.engine)}
+                marks = {
+                    "backward_done": self.ctx.clock.mark(),
+                    "model_metrics": self.spec.step_metrics(self.engine.module),
+                }
             self.updating = last  # stays set if the step fails: DeepSpeed may have applied part of it
             self.engine.step()  # steps the optimizer and scheduler only at the accumulation boundary
             if last:

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from distrain.data.sampler import TokenWindows, validation_batches
-from distrain.parallelism.base import token_loss_sum
+from distrain.models.spec import next_token_loss
 
 pytestmark = pytest.mark.integration
 
@@ -177,7 +177,7 @@ def validation_loss(run_dir, state_dict):
         for rank in range(2):
             kwargs = dict(micro_batch_size=cfg.data.micro_batch_size, num_batches=cfg.trainer.eval_batches)
             for batch in validation_batches(windows, dp_rank=rank, dp_size=2, **kwargs):
-                total += token_loss_sum(model(batch.inputs), batch.targets).item()
+                total += next_token_loss(model(batch.inputs), batch.targets).item()
                 tokens += batch.num_tokens
     return total / tokens
 

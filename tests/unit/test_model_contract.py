@@ -106,6 +106,22 @@ def test_pipeline_stages_are_the_model_with_parts_removed_and_chain_to_the_full_
     names = [set(dict(stage.named_parameters())) for stage in stages]
     assert set.union(*names) == set(dict(model.named_parameters())) and not names[0] & names[1]
     assert spec.is_first_stage(stages[0]) and not spec.is_first_stage(stages[1]) and spec.is_last_stage(stages[2])
+    # A hook registered on one stage (as FSDP registers its own) runs for that stage only.
+    calls = []
+    stages[0].register_forward_pre_hook(lambda module, args: calls.append(module))
+    stages[2](stages[1](stages[0](tokens)))
+    model(tokens)
+    assert calls == [stages[0]]
+
+
+def test_a_tied_head_is_refused_where_tensor_parallelism_would_split_it():
+    model = tiny("llama_tiny", tie_embeddings="true")
+    spec = spec_of(model)
+    assert spec.tensor_parallel_problem(model, 2) is None  # plain: the head stays whole, the tie holds
+    for options in ({"sequence_parallel": True}, {"loss_parallel": True}):
+        problem = spec.tensor_parallel_problem(model, 2, **options)
+        assert problem.key == "model.tie_embeddings", options
+    assert "set it false" in spec.splittable_problem(model)
 
 
 @pytest.mark.parametrize("option", FAMILIES)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from omegaconf import DictConfig
 from torch import nn
 
+from distrain.config_checks import at_least, check
 from distrain.models.spec import ConfigProblem, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
@@ -22,7 +24,7 @@ def tensor_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: boo
     return decoder_plan(model, NAMES, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-def tensor_problem(model: nn.Module, degree: int, loss_parallel: bool) -> ConfigProblem | None:
+def tensor_problem(model: nn.Module, degree: int, split_head: bool) -> ConfigProblem | None:
     """Heads and MLP units must split evenly over the ranks (the vocabulary, for loss_parallel, is checked for
     every model)."""
     if model.n_heads % degree:
@@ -30,6 +32,15 @@ def tensor_problem(model: nn.Module, degree: int, loss_parallel: bool) -> Config
     if model.mlp_ratio * model.d_model % degree:
         return ConfigProblem("model.mlp_ratio", model.mlp_ratio, f"mlp_ratio x d_model divisible by {degree} ranks")
     return None
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Sizes of ``cfg.model`` a GPT can be built with (``ConfigError`` names the first that is not)."""
+    for key in ("d_model", "n_layers", "mlp_ratio"):
+        check(cfg, f"model.{key}", at_least(1), "an integer >= 1")
+    width = cfg.model.d_model
+    check(cfg, "model.n_heads", lambda v: v >= 1 and width % v == 0, f"a divisor of model.d_model ({width})")
+    check(cfg, "model.dropout", lambda v: 0 <= v < 1, "a probability in [0, 1)")
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -48,4 +59,5 @@ GPT_SPEC = ModelSpec(
     tensor_options=("sequence_parallel", "loss_parallel"),
     tensor_problem=tensor_problem,
     flops_per_token=flops_per_token,
+    check_config=check_config,
 )

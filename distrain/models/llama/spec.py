@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from omegaconf import DictConfig
 from torch import nn
 
+from distrain.config_checks import at_least, check, positive
 from distrain.models.llama.hf import from_hf, to_hf
 from distrain.models.spec import ConfigProblem, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
@@ -23,7 +25,7 @@ def tensor_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: boo
     return decoder_plan(model, NAMES, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-def tensor_problem(model: nn.Module, degree: int, loss_parallel: bool) -> ConfigProblem | None:
+def tensor_problem(model: nn.Module, degree: int, split_head: bool) -> ConfigProblem | None:
     """Query heads, key/value heads and the MLP's hidden units split evenly over the ranks; a tied head cannot be
     split over the vocabulary while its embedding stays whole."""
     for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
@@ -31,9 +33,11 @@ def tensor_problem(model: nn.Module, degree: int, loss_parallel: bool) -> Config
             return ConfigProblem(
                 f"model.{key}", getattr(model, key), f"a multiple of the {degree} tensor-parallel ranks"
             )
-    if loss_parallel and model.tie_embeddings:
+    if split_head and model.tie_embeddings:
         return ConfigProblem(
-            "model.tie_embeddings", True, "false with loss_parallel (the head is split, the embedding not)"
+            "model.tie_embeddings",
+            True,
+            "false with loss_parallel or sequence_parallel (they split the head, not the embedding)",
         )
     return None
 
@@ -42,6 +46,28 @@ def pipeline_problem(model: nn.Module) -> str | None:
     if model.tie_embeddings:
         return "model.tie_embeddings=true puts one weight in the first and the last stage; set it false"
     return None
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Sizes and settings of ``cfg.model`` a Llama (or a mixture of experts built on it) can be built with."""
+    model = cfg.model
+    for key in ("d_model", "n_layers", "n_heads"):
+        check(cfg, f"model.{key}", at_least(1), "an integer >= 1")
+    if "ffn_hidden" in model:
+        check(cfg, "model.ffn_hidden", at_least(1), "an integer >= 1")
+    if model.n_kv_heads is not None:
+        heads = model.n_heads
+        check(cfg, "model.n_kv_heads", lambda v: v >= 1 and heads % v == 0, f"a divisor of model.n_heads ({heads})")
+    for key in ("norm_eps", "rope_theta", "init_std"):
+        check(cfg, f"model.{key}", positive, "a number > 0")
+    if "rope_scaling" in model:
+        check(
+            cfg,
+            "model.rope_scaling",
+            lambda v: not v or v.get("rope_type", v.get("type")) == "llama3",
+            "empty (plain RoPE) or Hugging Face's llama3 scaling: {rope_type: llama3, factor, low_freq_factor, "
+            "high_freq_factor, original_max_position_embeddings}",
+        )
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -71,6 +97,7 @@ LLAMA_SPEC = ModelSpec(
     tensor_problem=tensor_problem,
     pipeline_problem=pipeline_problem,
     flops_per_token=flops_per_token,
+    check_config=check_config,
     to_hf=to_hf,
     from_hf=from_hf,
 )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
 from torch import nn
 
+from distrain.config_checks import at_least, check
 from distrain.models.spec import ModelSpec
 
 
@@ -22,8 +24,18 @@ class MLPBlock(nn.Module):
 
 # No tensor-parallel plan: the family is the smallest model every data-parallel strategy and the pipeline take.
 # FLOPs: the default (6 per linear weight; no attention, so no dependence on the context length).
+def check_config(cfg: DictConfig) -> None:
+    for key in ("d_model", "hidden", "n_layers"):
+        check(cfg, f"model.{key}", at_least(1), "an integer >= 1")
+
+
 MLP_SPEC = ModelSpec(
-    name="mlp", blocks="blocks", before_blocks=("tok_emb",), after_blocks=("norm", "head"), width="d_model"
+    name="mlp",
+    blocks="blocks",
+    before_blocks=("tok_emb",),
+    after_blocks=("norm", "head"),
+    width="d_model",
+    check_config=check_config,
 )
 
 

@@ -8,8 +8,11 @@ a pipeline stage of it.
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
+from distrain.config_checks import at_least, check
+from distrain.models.llama.spec import check_config as check_llama_config
 from distrain.models.spec import ModelSpec
 
 
@@ -68,6 +71,17 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 
 # No tensor plan (experts are not split across tensor-parallel ranks) and, through the auxiliary loss, no pipeline.
+def check_config(cfg: DictConfig) -> None:
+    """The Llama part's settings, then the experts' (``ConfigError`` names the first bad key)."""
+    check_llama_config(cfg)
+    for key in ("expert_hidden", "n_experts"):
+        check(cfg, f"model.{key}", at_least(1), "an integer >= 1")
+    experts = cfg.model.n_experts
+    check(cfg, "model.top_k", lambda v: 1 <= v <= experts, f"1..model.n_experts ({experts})")
+    for key in ("load_balance_coef", "z_loss_coef"):
+        check(cfg, f"model.{key}", at_least(0), "a number >= 0")
+
+
 MOE_SPEC = ModelSpec(
     name="moe",
     blocks="layers",
@@ -78,4 +92,5 @@ MOE_SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     auxiliary_loss=auxiliary_loss,
     metrics=metrics,
+    check_config=check_config,
 )
