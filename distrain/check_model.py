@@ -149,9 +149,16 @@ def run_layout(layout: Layout, steps: int, user: list[str], workdir: Path, timeo
         return Row(layout, "error", note=f"no result within {timeout_s:.0f} s (--timeout)")
     metrics = run_dir / "metrics.jsonl"
     if process.returncode != 0 or not metrics.exists():
-        lines = [line for line in stderr.splitlines() if line.strip()]
-        return Row(layout, "error", note=lines[-1] if lines else f"exit status {process.returncode}")
+        return Row(layout, "error", note=last_error_line(stderr) or f"exit status {process.returncode}")
     return Row(layout, "ran", losses=logged_losses(metrics))
+
+
+def last_error_line(stderr: str) -> str | None:
+    """The line of a failed run's stderr that says what failed: distrain's own one-line report, else the last line
+    that is not Hydra's hint about full stack traces."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+    reports = [line for line in lines if line.startswith("distrain:")]
+    return (reports or lines or [None])[-1]
 
 
 def logged_losses(metrics: Path) -> tuple[float, ...]:
@@ -191,6 +198,25 @@ def table(rows: list[Row], steps: int) -> str:
     return "\n".join(lines)
 
 
+def argument_problem(args: argparse.Namespace, chosen: list[str], user: list[str]) -> str | None:
+    """One line naming the first argument the check cannot take (None: all are fine)."""
+    known = [layout.name for layout in LAYOUTS]
+    unknown = [name for name in chosen if name not in known]
+    if unknown or not chosen:
+        return f"--layouts {','.join(unknown) or repr(args.layouts)} is not allowed: names among {', '.join(known)}"
+    for flag, value, ok, allowed in (
+        ("--steps", args.steps, args.steps >= 1, "an integer >= 1"),
+        ("--tolerance", args.tolerance, args.tolerance >= 0, "a number >= 0"),
+        ("--timeout", args.timeout, args.timeout > 0, "seconds > 0"),
+    ):
+        if not ok:
+            return f"{flag} {value} is not allowed: {allowed}"
+    owned = [override for override in user if owned_key(override)]
+    if owned:
+        return f"{owned[0]} is not allowed: the check sets {', '.join(OWNED)} itself"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distrain.check_model", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per layout (default 6)")
@@ -198,36 +224,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default=",".join(layout.name for layout in LAYOUTS), help="comma-separated")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per layout")
     args, user = parser.parse_known_args(argv)
-    known = {layout.name: layout for layout in LAYOUTS}
     chosen = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in known]
-    if unknown or args.steps < 1:
-        what = f"--layouts {','.join(unknown)}" if unknown else f"--steps {args.steps}"
-        print(f"distrain: check_model: {what} is not allowed: one of {', '.join(known)}; steps >= 1", file=sys.stderr)
-        return 2
-    owned = [override for override in user if owned_key(override)]
-    if owned:
-        print(
-            f"distrain: check_model: {owned[0]} is not allowed: the check sets {', '.join(OWNED)} itself",
-            file=sys.stderr,
-        )
+    problem = argument_problem(args, chosen, user)
+    if problem:
+        print(f"distrain: check_model: {problem}", file=sys.stderr)
         return 2
     problem = composition_error(user)
     if problem:
         print(f"distrain: invalid config: {problem}", file=sys.stderr)
         return 2
+    known = {layout.name: layout for layout in LAYOUTS}
     layouts = [known["single"], *(known[name] for name in chosen if name != "single")]
     with tempfile.TemporaryDirectory(prefix="check_model_") as workdir:
         rows: list[Row] = []
         for layout in layouts:
-            print(f"checking {layout.name} ...", file=sys.stderr, flush=True)
+            if sys.stderr.isatty():  # progress for a person watching; piped stderr keeps only the verdict lines
+                print(f"checking {layout.name} ...", file=sys.stderr, flush=True)
             rows.append(run_layout(layout, args.steps, user, Path(workdir), args.timeout))
-    reference = rows[0]
-    if reference.result != "ran":
-        print(table(rows[:1], args.steps))
-        print("distrain: check_model: the one-process run failed; nothing to compare with", file=sys.stderr)
-        return 1
-    rows = [compared(row, reference, args.tolerance) for row in rows]
+            if rows[0].result != "ran":  # nothing to compare with: stop before the other layouts
+                return reference_failed(rows[0])
+    rows = [compared(row, rows[0], args.tolerance) for row in rows]
     print(table(rows, args.steps))
     failed = [row.layout.name for row in rows if row.result in ("fail", "error")]
     if failed:
@@ -235,6 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def reference_failed(reference: Row) -> int:
+    """The one-process run was refused (a config mistake: exit 2) or failed (exit 1); says why in one line."""
+    if reference.result == "unsupported":
+        print(f"distrain: invalid config: {reference.note}", file=sys.stderr)
+        return 2
+    print(f"distrain: check_model: the one-process run failed: {reference.note}", file=sys.stderr)
+    return 1
+
+
 if __name__ == "__main__":
-    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    # As under train.py (whose directory Python puts first on sys.path), a model module next to train.py imports.
+    sys.path.insert(0, str(REPO))
     sys.exit(main())

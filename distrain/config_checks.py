@@ -25,9 +25,14 @@ def check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) ->
 
 def at_least(minimum: float) -> Callable[[Any], bool]:
     """A predicate: set and at least ``minimum``."""
-    return lambda value: value is not None and value >= minimum
+    return lambda value: _number(value) and value >= minimum
 
 
 def positive(value: Any) -> bool:
     """Set and greater than zero."""
-    return value is not None and value > 0
+    return _number(value) and value > 0
+
+
+def _number(value: Any) -> bool:
+    # Keys of an untyped (user's) model config may hold any text: compare numbers only.
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -23,13 +23,20 @@ def model_name(cfg: DictConfig) -> str:
     return str(cfg.model.get("_target_", "?")).rsplit(".", 1)[-1]
 
 
+def root_cause(err: BaseException) -> BaseException:
+    """The innermost cause of ``err`` (Hydra wraps a constructor's or an import's error, which names the problem)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
 def spec_for_config(cfg: DictConfig) -> ModelSpec:
     """The spec of the configured model's class (its ``parallel_spec``), found without building the model."""
     target = cfg.model.get("_target_")
     try:
         built = get_object(target)
     except Exception as err:
-        cause = err.__cause__ or err
+        cause = root_cause(err)
         raise ConfigError("model._target_", target, f"an importable class ({type(cause).__name__}: {cause})") from None
     spec = getattr(built, "parallel_spec", None)
     return spec if isinstance(spec, ModelSpec) else WHOLE_MODEL
@@ -45,7 +52,7 @@ def meta_model(cfg: DictConfig, strict: bool = True) -> tuple[nn.Module, ModelSp
             model = instantiate(cfg.model)
         return model, spec_of(model)
     except Exception as err:
-        cause = err.__cause__ or err
+        cause = root_cause(err)
         if not strict and not isinstance(cause, TypeError | ValueError):
             return None
         detail = (str(cause).strip().splitlines() or [""])[0]

@@ -85,6 +85,11 @@ class ModelSpec:
     to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     from_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
+    @property
+    def label(self) -> str:
+        """How messages name the model: by its family, or as having no spec."""
+        return f"the {self.name} model" if self.name else "a model without a parallel_spec"
+
     # ------------------------------------------------------------------------------------------- blocks
     def block_modules(self, model: nn.Module) -> nn.ModuleDict:
         """The repeated blocks of ``model`` (or of a pipeline stage of it), in forward order; empty when the spec
@@ -109,19 +114,19 @@ class ModelSpec:
         """Why ``model`` cannot be split into pipeline stages (None: it can)."""
         if self.blocks is None or not self.before_blocks or not self.after_blocks:
             return (
-                f"the {self.name} model's spec names no blocks to split (ModelSpec.blocks/before_blocks/after_blocks)"
+                f"{self.label} names no blocks to split (ModelSpec.blocks/before_blocks/after_blocks)"
             )
         if self.auxiliary_loss is not None:
             return (
-                f"the {self.name} model adds an auxiliary loss inside its blocks, which a pipeline stage cannot return"
+                f"{self.label} adds an auxiliary loss inside its blocks, which a pipeline stage cannot return"
             )
         names = (self.blocks, *self.before_blocks, *self.after_blocks)
         missing = [name for name in names if name not in model._modules]
         if missing:
-            return f"the {self.name} model has no child module {', '.join(missing)} (the spec names its own children)"
+            return f"{self.label} has no child module {', '.join(missing)} (the spec names its own children)"
         own = [name for name, _ in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]]
         if own:
-            return f"the {self.name} model holds {', '.join(own)} itself, in no stage's module: move it into a child"
+            return f"{self.label} holds {', '.join(own)} itself, in no stage's module: move it into a child"
         return self.pipeline_problem(model) if self.pipeline_problem else None
 
     def stage(self, model: nn.Module, block_ids: Iterable[str], *, first: bool, last: bool) -> nn.Module:
@@ -149,14 +154,14 @@ class ModelSpec:
     def hidden_width(self, model: nn.Module) -> int:
         """The residual width: the last dimension of the hidden states passed between blocks."""
         if self.width is None:
-            raise ValueError(f"the {self.name} model's spec names no width (ModelSpec.width)")
+            raise ValueError(f"{self.label} names no width (ModelSpec.width)")
         return int(getattr(model, self.width))
 
     # ------------------------------------------------------------------------------------------- tensor parallel
     def tensor_plan_for(self, model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, object]:
         """The tensor-parallel plan of ``model`` (whole or a pipeline stage): module path -> ``ParallelStyle``."""
         if self.tensor_plan is None:
-            raise ValueError(f"the {self.name} model has no tensor-parallel plan (ModelSpec.tensor_plan)")
+            raise ValueError(f"{self.label} has no tensor-parallel plan (ModelSpec.tensor_plan)")
         return self.tensor_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
     def tensor_parallel_problem(
@@ -164,7 +169,7 @@ class ModelSpec:
     ) -> ConfigProblem | str | None:
         """Why ``model`` cannot be split over ``degree`` tensor-parallel ranks with these options (None: it can)."""
         if self.tensor_plan is None:
-            return f"the {self.name} model has no tensor-parallel plan (ModelSpec.tensor_plan)"
+            return f"{self.label} has no tensor-parallel plan (ModelSpec.tensor_plan)"
         for option, chosen in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
             if chosen and option not in self.tensor_options:
                 return ConfigProblem(
@@ -191,7 +196,7 @@ class ModelSpec:
         return self.metrics(model) if self.metrics else {}
 
 
-WHOLE_MODEL = ModelSpec(name="whole-model")
+WHOLE_MODEL = ModelSpec(name="")
 
 
 def spec_of(model: nn.Module) -> ModelSpec:

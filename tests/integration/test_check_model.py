@@ -89,5 +89,11 @@ def test_unsupported_layouts_are_named_with_the_reason_and_bad_arguments_get_one
     assert "unsupported: model='MLPLanguageModel' is not allowed" in rows(done.stdout)["tensor"][3]
     bad = check_model("--layouts", "tensr")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--layouts tensr is not allowed" in bad.stderr
+    refused = check_model("model=llama_tiny", "model.n_kv_heads=3", "--layouts", "ddp")
+    assert refused.returncode == 2 and refused.stderr == (
+        "distrain: invalid config: model.n_kv_heads=3 is not allowed: a divisor of model.n_heads (4)\n"
+    )
+    owned = check_model("model=llama_tiny", "precision=bf16")
+    assert owned.returncode == 2 and "precision=bf16 is not allowed: the check sets" in owned.stderr
     typo = check_model("model.d_modl=3")
     assert typo.returncode == 2 and "model.d_modl" in typo.stderr and typo.stderr.count("\n") == 1
