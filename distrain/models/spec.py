@@ -113,13 +113,9 @@ class ModelSpec:
     def splittable_problem(self, model: nn.Module) -> str | None:
         """Why ``model`` cannot be split into pipeline stages (None: it can)."""
         if self.blocks is None or not self.before_blocks or not self.after_blocks:
-            return (
-                f"{self.label} names no blocks to split (ModelSpec.blocks/before_blocks/after_blocks)"
-            )
+            return f"{self.label} names no blocks to split (ModelSpec.blocks/before_blocks/after_blocks)"
         if self.auxiliary_loss is not None:
-            return (
-                f"{self.label} adds an auxiliary loss inside its blocks, which a pipeline stage cannot return"
-            )
+            return f"{self.label} adds an auxiliary loss inside its blocks, which a pipeline stage cannot return"
         names = (self.blocks, *self.before_blocks, *self.after_blocks)
         missing = [name for name in names if name not in model._modules]
         if missing:
