@@ -2,6 +2,12 @@
 model's full parameters, loadable with ``model.load_state_dict`` without distrain, torch.distributed or DeepSpeed.
 
     python -m distrain.checkpoint.export outputs/.../checkpoints/step_00000200 model.pt
+    python -m distrain.checkpoint.export outputs/.../checkpoints/step_00000200 hf_dir --format hf
+
+``--format hf`` writes a Hugging Face model directory instead (``model.safetensors`` and ``config.json``) for a
+family whose spec maps its names to Hugging Face's (``ModelSpec.to_hf`` and ``hf_config``: the Llama family), so
+``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it. The family is read from the checkpoint's own
+``config.yaml``.
 
 Runs in one process without a process group. It holds one copy of the model in memory: only the model's entries
 are read (not the optimizer state), one tensor at a time, into tensors allocated once at their full shape;
@@ -12,15 +18,19 @@ renamed when complete.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from distrain.checkpoint.checkpointer import checkpoint_problem
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
+from distrain.models.spec import spec_of
 from distrain.parallelism.zero import CHECKPOINT_TAG, import_deepspeed
 
 MODEL_KEY = "model"  # the strategies save {"model": ..., "optimizer": ..., ...}; DCP flattens it to "model.<name>"
@@ -69,13 +79,49 @@ def export_checkpoint(path: Path, out: Path) -> dict[str, int]:
     return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
 
+def export_hf(path: Path, out: Path) -> dict[str, int]:
+    """Write checkpoint ``path`` as a Hugging Face model directory ``out`` (``model.safetensors``, ``config.json``),
+    atomically (a sibling ``.tmp`` directory renamed when complete); returns tensor and byte counts."""
+    from safetensors.torch import save_file
+
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise ValueError(f"{path} has no config.yaml naming its model")
+    model_cfg = OmegaConf.load(config_file).model
+    if "init_from" in model_cfg:
+        model_cfg.init_from = None  # the checkpoint holds the weights
+    with torch.device("meta"):
+        model = instantiate(model_cfg)
+    spec = spec_of(model)
+    if spec.to_hf is None or spec.hf_config is None:
+        raise ValueError(
+            f"{spec.label} has no Hugging Face counterpart (ModelSpec.to_hf, hf_config); use the default format"
+        )
+    hf_config = spec.hf_config(model)
+    state = spec.to_hf(consolidated_model_state(path))
+    if getattr(hf_config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # transformers ties it to the embedding; safetensors stores no shared tensors
+    partial = out.with_name(out.name + ".tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file(
+        {name: tensor.contiguous() for name, tensor in state.items()}, partial / "model.safetensors", {"format": "pt"}
+    )
+    hf_config.save_pretrained(partial)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.replace(out)
+    return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distrain.checkpoint.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step_* checkpoint directory")
-    parser.add_argument("out", type=Path, help="output file (torch.save of the model's state dict)")
+    parser.add_argument("out", type=Path, help="output file (torch format) or directory (hf format)")
+    parser.add_argument("--format", choices=("torch", "hf"), default="torch", help="torch.save file or HF directory")
     args = parser.parse_args(argv)
     try:
-        counts = export_checkpoint(args.checkpoint, args.out)
+        export = export_hf if args.format == "hf" else export_checkpoint
+        counts = export(args.checkpoint, args.out)
     except (ValueError, FileNotFoundError) as err:
         print(f"distrain export: {err}", file=sys.stderr)
         return 2

@@ -84,6 +84,7 @@ class ModelSpec:
     # State-dict renaming to and from Hugging Face's names for the family (None: no HF counterpart).
     to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     from_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    hf_config: Callable[[nn.Module], Any] | None = None  # the transformers config describing a model of the family
 
     @property
     def label(self) -> str:

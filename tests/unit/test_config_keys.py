@@ -52,6 +52,7 @@ KEYS = {
     "model.init_std": (check("model=llama_tiny", "model.init_std=0"), "> 0"),
     "model.rope_scaling": (check("model=llama_tiny", "+model.rope_scaling.rope_type=yarn"), "llama3 scaling"),
     "model.tie_embeddings": BOOL,
+    "model.init_from": (check("model=llama_tiny", "model.init_from=/no/such/hf/model"), "(no such directory)"),
     "model.expert_hidden": (check("model=moe_tiny", "model.expert_hidden=0"), ">= 1"),
     "model.n_experts": (check("model=moe_tiny", "model.n_experts=0"), ">= 1"),
     "model.top_k": (check("model=moe_tiny", "model.top_k=9"), "1..model.n_experts (8)"),

@@ -25,3 +25,4 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     tie_embeddings: bool = False  # output head shares the embedding's weight
     init_std: float = 0.02
+    init_from: str | None = None  # a local Hugging Face Llama directory (*.safetensors) whose weights start training

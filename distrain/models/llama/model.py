@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distrain.models.hf_weights import load_hf_weights
 from distrain.models.llama.spec import LLAMA_SPEC
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -190,6 +191,7 @@ class Llama(nn.Module):
         rope_scaling: dict[str, Any] | None = None,
         tie_embeddings: bool = False,
         init_std: float = 0.02,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -213,6 +215,8 @@ class Llama(nn.Module):
         if tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.reset_parameters()
+        if init_from and not self.output.weight.is_meta:  # on the meta device (validation) there is nothing to fill
+            load_hf_weights(self, init_from)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

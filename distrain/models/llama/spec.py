@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from distrain.config_checks import at_least, check, positive
-from distrain.models.llama.hf import from_hf, to_hf
+from distrain.config_checks import ConfigError, at_least, check, positive
+from distrain.models.llama.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ConfigProblem, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
@@ -60,6 +63,8 @@ def check_config(cfg: DictConfig) -> None:
         check(cfg, "model.n_kv_heads", lambda v: v >= 1 and heads % v == 0, f"a divisor of model.n_heads ({heads})")
     for key in ("norm_eps", "rope_theta", "init_std"):
         check(cfg, f"model.{key}", positive, "a number > 0")
+    if model.get("init_from"):
+        check_init_from(cfg)
     if "rope_scaling" in model:
         check(
             cfg,
@@ -68,6 +73,42 @@ def check_config(cfg: DictConfig) -> None:
             "empty (plain RoPE) or Hugging Face's llama3 scaling: {rope_type: llama3, factor, low_freq_factor, "
             "high_freq_factor, original_max_position_embeddings}",
         )
+
+
+def check_init_from(cfg: DictConfig) -> None:
+    """``model.init_from`` is a directory of Hugging Face weights that fit the configured sizes."""
+    from hydra.utils import instantiate
+
+    from distrain.models.hf_weights import weights_problem
+
+    path = Path(cfg.model.init_from)
+    if not path.is_dir():
+        raise ConfigError("model.init_from", str(path), "a local Hugging Face model directory (no such directory)")
+    with torch.device("meta"):
+        model = instantiate(cfg.model, init_from=None)
+    problem = weights_problem(model, path)
+    if problem:
+        raise ConfigError("model.init_from", str(path), f"Hugging Face weights that fit this config: {problem}")
+    check_same_architecture(cfg, path)
+
+
+def check_same_architecture(cfg: DictConfig, path: Path) -> None:
+    """The settings the weights were trained with (norm epsilon, RoPE, tying), read from the directory's
+    config.json, equal the configured ones: weights of the right shapes under another epsilon or RoPE base would
+    train silently wrong."""
+    from transformers import AutoConfig
+
+    from distrain.models.llama.hf import from_hf_config
+
+    try:
+        theirs = from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError) as err:
+        raise ConfigError("model.init_from", str(path), f"a Llama config.json there ({err})") from None
+    for key in ("norm_eps", "rope_theta", "rope_scaling", "tie_embeddings"):
+        ours = cfg.model.get(key)
+        ours = (dict(ours) or None) if key == "rope_scaling" and ours is not None else ours
+        if ours != theirs[key] and not (isinstance(ours, float) and abs(ours - theirs[key]) <= 1e-12 * abs(ours)):
+            raise ConfigError(f"model.{key}", ours, f"{theirs[key]}, as in {path / 'config.json'} (model.init_from)")
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -100,4 +141,5 @@ LLAMA_SPEC = ModelSpec(
     check_config=check_config,
     to_hf=to_hf,
     from_hf=from_hf,
+    hf_config=hf_config,
 )

@@ -1,0 +1,69 @@
+"""Hugging Face weights in and out, for families whose spec renames their state dict (``ModelSpec.to_hf``/``from_hf``).
+
+Weights are safetensors only (nothing pickled): a Hugging Face model directory's ``*.safetensors`` files (one, or
+the shards ``save_pretrained`` writes) are read on the CPU; their headers alone give the shapes a config check
+compares, without reading any tensor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from distrain.models.spec import spec_of
+
+
+def safetensors_files(directory: str | Path) -> list[Path]:
+    """The ``*.safetensors`` files of a Hugging Face model directory, sorted (shards in order)."""
+    return sorted(Path(directory).glob("*.safetensors"))
+
+
+def hf_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the directory's safetensors files, read from their headers only."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in safetensors_files(directory):
+        with safe_open(str(file), framework="pt") as weights:
+            shapes |= {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118
+    return shapes
+
+
+def weights_problem(model: nn.Module, directory: str | Path) -> str | None:
+    """Why the Hugging Face weights in ``directory`` cannot initialise ``model`` (any device, meta included): no
+    weights, names the family's mapping does not know, tensors missing or of another shape. None: they fit."""
+    spec = spec_of(model)
+    if spec.from_hf is None:
+        return f"{spec.label} has no Hugging Face counterpart (ModelSpec.from_hf)"
+    if not safetensors_files(directory):
+        return "no *.safetensors file in the directory"
+    shapes = hf_shapes(directory)
+    try:
+        ours = spec.from_hf({name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
+    except KeyError as err:
+        return f"a tensor the {spec.name} family does not have: {err.args[0]}"
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    missing = sorted(expected.keys() - ours.keys())
+    if missing:
+        return f"no weights for {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+    for name, shape in expected.items():
+        if tuple(ours[name].shape) != shape:
+            return f"{name} has shape {list(ours[name].shape)} there, {list(shape)} in this config"
+    return None
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
+    """Copy the Hugging Face weights in ``directory`` into ``model`` (on the CPU, before any strategy shards it);
+    ValueError when they do not fit (``weights_problem``)."""
+    problem = weights_problem(model, directory)
+    if problem:
+        raise ValueError(f"model.init_from={directory}: {problem}")
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(directory):
+        state |= load_file(str(file), device="cpu")
+    model.load_state_dict(spec_of(model).from_hf(state), strict=True)

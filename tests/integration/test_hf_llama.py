@@ -1,0 +1,103 @@
+"""Hugging Face weights in and out for the built-in Llama: ``model.init_from`` starts from a local HF directory
+(logits equal to transformers'), training under tensor parallelism from it, ``export --format hf`` that
+``AutoModelForCausalLM.from_pretrained`` loads with distrain's logits, and one-line refusals of bad directories."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO, run_train
+
+from distrain.checkpoint.export import consolidated_model_state
+from distrain.models.llama.hf import from_hf, from_hf_config, to_hf
+from distrain.models.llama.model import Llama
+
+pytestmark = pytest.mark.integration
+
+HF_SIZES = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+# The same sizes as train.py overrides of model=llama_tiny.
+OVERRIDES = [
+    "model=llama_tiny",
+    "model.d_model=64",
+    "model.ffn_hidden=160",
+    "model.n_layers=2",
+    "model.max_seq_len=64",
+    "model.norm_eps=1e-6",  # transformers' default, which the HF model was saved with
+    "data.corpus.max_bytes=200000",
+    "data.micro_batch_size=4",
+    "logger=none",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A tiny random LlamaForCausalLM saved with ``save_pretrained`` (safetensors), and the model itself."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**HF_SIZES, initializer_range=0.1)
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("hf_llama")
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_init_from_starts_from_the_hf_weights(hf_llama):
+    path, hf = hf_llama
+    ours = Llama(**from_hf_config(hf.config), init_from=str(path)).eval()
+    tokens = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max() < 1e-4
+
+
+def test_trains_from_hf_weights_with_tensor_parallelism_and_exports_what_transformers_loads(hf_llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path, hf = hf_llama
+    run = tmp_path / "run"
+    args = [*OVERRIDES, f"model.init_from={path}", "parallelism=tensor", "trainer.max_steps=2"]
+    done = run_train([*args, "checkpoint.every_n_steps=2", f"hydra.run.dir={run}"], cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    checkpoint = run / "checkpoints" / "step_00000002"
+    out = tmp_path / "exported"
+    export = [sys.executable, "-m", "distrain.checkpoint.export", str(checkpoint), str(out), "--format", "hf"]
+    exported = subprocess.run(export, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    state = consolidated_model_state(checkpoint)
+    ours = Llama(**from_hf_config(hf.config)).eval()
+    ours.load_state_dict(state)
+    tokens = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert (ours(tokens) - loaded(tokens).logits).abs().max() < 1e-4
+        trained = (ours(tokens) - hf(tokens).logits).abs().max()
+    assert trained > 1e-3  # two steps of training moved the weights away from the HF start
+    back = from_hf(to_hf(state))
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["model.init_from=/nonexistent/llama"], "no such directory"),
+        (["model.d_model=128"], "model.init_from="),
+        (["model.rope_theta=500000"], "10000.0, as in"),
+    ],
+)
+def test_bad_init_from_is_refused_in_one_line(hf_llama, tmp_path, extra, words):
+    path, _ = hf_llama
+    args = [*OVERRIDES, f"model.init_from={path}", *extra, f"hydra.run.dir={tmp_path}"]
+    done = run_train(args, cwd=REPO)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert words in done.stderr and "model.init_from" in done.stderr
