@@ -101,3 +101,16 @@ def test_bad_init_from_is_refused_in_one_line(hf_llama, tmp_path, extra, words):
     done = run_train(args, cwd=REPO)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert words in done.stderr and "model.init_from" in done.stderr
+
+
+def test_export_to_hf_of_a_family_without_a_counterpart_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    args = ["model=gpt_tiny", "model.n_layers=1", "data.corpus.max_bytes=200000", "parallelism=single", "logger=none"]
+    done = run_train([*args, "trainer.max_steps=1", "checkpoint.every_n_steps=1", f"hydra.run.dir={run}"], cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    export = [sys.executable, "-m", "distrain.checkpoint.export", str(run / "checkpoints" / "step_00000001")]
+    refused = subprocess.run(
+        [*export, str(tmp_path / "out"), "--format", "hf"], cwd=REPO, capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "the gpt model has no Hugging Face counterpart" in refused.stderr and not (tmp_path / "out").exists()
