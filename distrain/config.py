@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from distrain.models.gpt.config import GPTConfig
+from distrain.models.hf.config import HFConfig
 from distrain.models.llama.config import LlamaConfig
 from distrain.models.mlp.config import MLPConfig
 from distrain.models.moe.config import MoEConfig
@@ -423,7 +424,7 @@ class Config:
 # Schemas live in ``schema/<group>`` (not offered as options); each option's YAML extends one with
 # ``defaults: [/schema/<group>/<name>@_here_, _self_]``.
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"gpt": GPTConfig, "mlp": MLPConfig, "llama": LlamaConfig, "moe": MoEConfig},
+    "model": {"gpt": GPTConfig, "mlp": MLPConfig, "llama": LlamaConfig, "hf": HFConfig, "moe": MoEConfig},
     "data": {"stdlib": StdlibDataConfig, "synthetic": SyntheticDataConfig},
     "parallelism": {
         "single": SingleConfig,

@@ -32,6 +32,19 @@ FAST = [
 ]
 
 
+def save_tiny_hf_llama(path: Path) -> Path:
+    """A tiny random ``LlamaForCausalLM`` saved in ``path`` with ``save_pretrained`` (config.json, safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """The config train.py would see for these command-line overrides."""
     register_configs()

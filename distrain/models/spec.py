@@ -92,12 +92,12 @@ class ModelSpec:
         return f"the {self.name} model" if self.name else "a model without a parallel_spec"
 
     # ------------------------------------------------------------------------------------------- blocks
-    def block_modules(self, model: nn.Module) -> nn.ModuleDict:
-        """The repeated blocks of ``model`` (or of a pipeline stage of it), in forward order; empty when the spec
-        names none."""
+    def block_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The repeated blocks of ``model`` (or of a pipeline stage of it) by name, in forward order: the children
+        of the ``ModuleDict`` (or ``ModuleList``) the spec names; empty when it names none."""
         if self.blocks is None:
-            return nn.ModuleDict()
-        return model.get_submodule(self.blocks)
+            return {}
+        return dict(model.get_submodule(self.blocks).named_children())
 
     def units(self, model: nn.Module) -> list[nn.Module]:
         """The modules FSDP shards, activation checkpointing recomputes and compile traces one by one: the blocks,
@@ -112,19 +112,25 @@ class ModelSpec:
 
     # ------------------------------------------------------------------------------------------- pipeline
     def splittable_problem(self, model: nn.Module) -> str | None:
-        """Why ``model`` cannot be split into pipeline stages (None: it can)."""
+        """Why ``model`` cannot be split into pipeline stages (None: it can): the family's own reason first."""
+        family_reason = self.pipeline_problem(model) if self.pipeline_problem else None
+        if family_reason:
+            return family_reason
         if self.blocks is None or not self.before_blocks or not self.after_blocks:
             return f"{self.label} names no blocks to split (ModelSpec.blocks/before_blocks/after_blocks)"
         if self.auxiliary_loss is not None:
             return f"{self.label} adds an auxiliary loss inside its blocks, which a pipeline stage cannot return"
         names = (self.blocks, *self.before_blocks, *self.after_blocks)
         missing = [name for name in names if name not in model._modules]
+        container = None if missing else type(model.get_submodule(self.blocks)).__name__
+        if container is not None and container != "ModuleDict":
+            return f"{self.label} keeps its blocks in a {container}: a pipeline needs a ModuleDict (stages keep names)"
         if missing:
             return f"{self.label} has no child module {', '.join(missing)} (the spec names its own children)"
         own = [name for name, _ in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]]
         if own:
             return f"{self.label} holds {', '.join(own)} itself, in no stage's module: move it into a child"
-        return self.pipeline_problem(model) if self.pipeline_problem else None
+        return None
 
     def stage(self, model: nn.Module, block_ids: Iterable[str], *, first: bool, last: bool) -> nn.Module:
         """A pipeline stage: a shallow copy of ``model`` holding the blocks ``block_ids``, the ``before_blocks``
@@ -197,8 +203,9 @@ WHOLE_MODEL = ModelSpec(name="")
 
 
 def spec_of(model: nn.Module) -> ModelSpec:
-    """The spec ``model``'s class declares as ``parallel_spec``, else ``WHOLE_MODEL``."""
-    spec = getattr(type(model), "parallel_spec", None)
+    """The spec ``model`` declares as ``parallel_spec`` (its own, as a wrapped Hugging Face model builds one for its
+    architecture, or its class's), else ``WHOLE_MODEL``."""
+    spec = getattr(model, "parallel_spec", None)
     if spec is None:
         return WHOLE_MODEL
     if not isinstance(spec, ModelSpec):

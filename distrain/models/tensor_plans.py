@@ -39,6 +39,13 @@ class DecoderNames:
     head: str
 
 
+def _holds(model: nn.Module, path: str) -> bool:
+    try:
+        return model.get_submodule(path) is not None
+    except AttributeError:  # a pipeline stage without it (set to None) or a path through a removed module
+        return False
+
+
 def decoder_plan(
     model: nn.Module, names: DecoderNames, *, sequence_parallel: bool, loss_parallel: bool
 ) -> dict[str, object]:
@@ -57,7 +64,7 @@ def decoder_plan(
             )
             plan |= {f"{prefix}.{name}": SequenceParallel() for name in names.norms}
             plan |= {f"{prefix}.{name}": gather for name in names.sublayers}
-    holds_head = getattr(model, names.head, None) is not None
+    holds_head = _holds(model, names.head)
     if sequence_parallel:
         first = f"{names.blocks}.{next(iter(blocks))}"
         plan[first] = PrepareModuleInput(

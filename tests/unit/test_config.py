@@ -4,7 +4,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import CONF_DIR, FAST, compose_config
+from helpers import CONF_DIR, FAST, compose_config, save_tiny_hf_llama
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ValidationError
@@ -20,10 +20,12 @@ def group_options():
 
 
 @pytest.mark.parametrize("group,option", list(group_options()))
-def test_every_option_composes_validates_and_instantiates(group, option):
+def test_every_option_composes_validates_and_instantiates(group, option, tmp_path):
     fast = [o for o in FAST if not (group == "model" and o.startswith("model."))]
     if option == "synthetic":
         fast = [o.replace("max_bytes", "num_tokens") for o in fast]
+    if group == "model" and option == "hf":  # a local Hugging Face directory, saved in the test
+        fast.append(f"model.name_or_path={save_tiny_hf_llama(tmp_path)}")
     cfg = compose_config([*fast, f"{group}={option}"])
     plan = validate(cfg)
     assert plan.nproc_per_node >= 1
@@ -33,7 +35,7 @@ def test_every_option_composes_validates_and_instantiates(group, option):
         built = instantiate(cfg[group])
     if group == "model":
         logits = built(torch.zeros(2, 8, dtype=torch.long, device=device))
-        assert logits.shape == (2, 8, cfg.model.vocab_size)
+        assert logits.shape == (2, 8, cfg.model.vocab_size or built.vocab_size)
     elif group == "data":
         assert len(built.corpus.train) > 0 and len(built.corpus.val) > 0
     elif group == "optimizer":

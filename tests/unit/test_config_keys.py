@@ -52,6 +52,12 @@ KEYS = {
     "model.init_std": (check("model=llama_tiny", "model.init_std=0"), "> 0"),
     "model.rope_scaling": (check("model=llama_tiny", "+model.rope_scaling.rope_type=yarn"), "llama3 scaling"),
     "model.tie_embeddings": BOOL,
+    "model.name_or_path": (check("model=hf", "model.name_or_path=/no/such/hf/model"), "(no such directory)"),
+    "model.attn_implementation": (
+        check("model=hf", "model.name_or_path=/x", "model.attn_implementation=flash"),
+        "sdpa",
+    ),
+    "model.random_init": BOOL,
     "model.init_from": (check("model=llama_tiny", "model.init_from=/no/such/hf/model"), "(no such directory)"),
     "model.expert_hidden": (check("model=moe_tiny", "model.expert_hidden=0"), ">= 1"),
     "model.n_experts": (check("model=moe_tiny", "model.n_experts=0"), ">= 1"),
@@ -222,6 +228,7 @@ def test_a_wrong_value_is_refused_naming_the_key_and_what_is_allowed(key, how, a
     extra = KEYS[key][0][1]
     # The synthetic corpus has no max_bytes (FAST's stdlib setting).
     base = [o for o in FAST if not ("data=synthetic" in extra and o.startswith("data.corpus."))]
+    base = [o for o in base if not ("model=hf" in extra and o.startswith("model."))]  # hf has none of their keys
     overrides = [*base, *extra]
     if how == "compose":
         problem = composition_error(overrides)
