@@ -5,9 +5,11 @@ model's full parameters, loadable with ``model.load_state_dict`` without distrai
     python -m distrain.checkpoint.export outputs/.../checkpoints/step_00000200 hf_dir --format hf
 
 ``--format hf`` writes a Hugging Face model directory instead (``model.safetensors`` and ``config.json``) for a
-family whose spec maps its names to Hugging Face's (``ModelSpec.to_hf`` and ``hf_config``: the Llama family), so
+family whose spec maps its names to Hugging Face's (``ModelSpec.to_hf`` and ``hf_config``), so
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it. The family is read from the checkpoint's own
-``config.yaml``.
+``config.yaml``. The tokenizer files of the Hugging Face directory the run started from (``model.name_or_path`` or
+``model.init_from``), when it has them, are copied beside the weights, so ``AutoTokenizer.from_pretrained(out)``
+works too.
 
 Runs in one process without a process group. It holds one copy of the model in memory: only the model's entries
 are read (not the optimizer state), one tensor at a time, into tensors allocated once at their full shape;
@@ -20,20 +22,34 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from distrain.checkpoint.checkpointer import checkpoint_problem
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
 from distrain.models.spec import spec_of
 from distrain.parallelism.zero import CHECKPOINT_TAG, import_deepspeed
+from distrain.validate_parallelism import root_cause
 
 MODEL_KEY = "model"  # the strategies save {"model": ..., "optimizer": ..., ...}; DCP flattens it to "model.<name>"
+# What save_pretrained writes for a tokenizer (fast or slow, with its chat template), copied as they are.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def _dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -47,7 +63,9 @@ def _dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
     if not model:
         raise ValueError(f"{path} has no model entries")
     # Loading into plain tensors of the global shape gathers every shard of each one; optimizer keys are not read.
-    dcp.load({MODEL_KEY: model}, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # one process without a process group is what this tool is for
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({MODEL_KEY: model}, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner(), no_dist=True)
     return model
 
 
@@ -88,10 +106,15 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
     if not config_file.is_file():
         raise ValueError(f"{path} has no config.yaml naming its model")
     model_cfg = OmegaConf.load(config_file).model
+    tokenizer = tokenizer_files(model_cfg)
     if "init_from" in model_cfg:
         model_cfg.init_from = None  # the checkpoint holds the weights
-    with torch.device("meta"):
-        model = instantiate(model_cfg)
+    try:
+        with torch.device("meta"):
+            model = instantiate(model_cfg)
+    except Exception as err:  # e.g. model=hf whose directory moved: Hydra wraps the constructor's error
+        cause = root_cause(err)
+        raise ValueError(f"cannot build the model {config_file} describes: {type(cause).__name__}: {cause}") from None
     spec = spec_of(model)
     if spec.to_hf is None or spec.hf_config is None:
         raise ValueError(
@@ -108,9 +131,20 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
         {name: tensor.contiguous() for name, tensor in state.items()}, partial / "model.safetensors", {"format": "pt"}
     )
     hf_config.save_pretrained(partial)
+    for tokenizer_file in tokenizer:
+        shutil.copy2(tokenizer_file, partial / tokenizer_file.name)
     shutil.rmtree(out, ignore_errors=True)
     partial.replace(out)
     return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
+def tokenizer_files(model_cfg: DictConfig) -> list[Path]:
+    """The tokenizer files in the Hugging Face directory the model was built from (``name_or_path``) or started
+    from (``init_from``), if any: the tokenizer the weights were trained with."""
+    source = model_cfg.get("name_or_path") or model_cfg.get("init_from")
+    if not source:
+        return []
+    return [Path(source) / name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]
 
 
 def main(argv: list[str] | None = None) -> int:

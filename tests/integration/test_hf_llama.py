@@ -1,6 +1,8 @@
 """Hugging Face weights in and out for the built-in Llama: ``model.init_from`` starts from a local HF directory
-(logits equal to transformers'), training under tensor parallelism from it, ``export --format hf`` that
-``AutoModelForCausalLM.from_pretrained`` loads with distrain's logits, and one-line refusals of bad directories."""
+(logits equal to transformers'), training from it under tensor, pipeline and ZeRO-3 parallelism, ``export --format
+hf`` of each one's checkpoint format that ``AutoModelForCausalLM.from_pretrained`` loads with distrain's logits (and
+the source's tokenizer beside it), tensors identical after ours -> HF -> ours, and one-line refusals of bad
+directories."""
 
 import subprocess
 import sys
@@ -38,9 +40,32 @@ OVERRIDES = [
 ]
 
 
+STRATEGIES = {
+    "tensor": ["parallelism=tensor"],
+    "pipeline": ["parallelism=pipeline"],
+    "zero3": ["parallelism=zero", "stage=3"],
+}
+
+
+def save_tiny_tokenizer(path):
+    """A byte-level BPE tokenizer trained on two sentences, saved with ``save_pretrained`` (tokenizer.json, ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=HF_SIZES["vocab_size"],
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(["hello world " * 10, "distributed training"], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
-    """A tiny random LlamaForCausalLM saved with ``save_pretrained`` (safetensors), and the model itself."""
+    """A tiny random LlamaForCausalLM saved with ``save_pretrained`` (safetensors) with a tokenizer, and the model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -49,6 +74,7 @@ def hf_llama(tmp_path_factory):
     model = LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("hf_llama")
     model.save_pretrained(path)
+    save_tiny_tokenizer(path)
     return path, model
 
 
@@ -60,12 +86,14 @@ def test_init_from_starts_from_the_hf_weights(hf_llama):
         assert (ours(tokens) - hf(tokens).logits).abs().max() < 1e-4
 
 
-def test_trains_from_hf_weights_with_tensor_parallelism_and_exports_what_transformers_loads(hf_llama, tmp_path):
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_trains_from_hf_weights_and_exports_what_transformers_loads(hf_llama, tmp_path, strategy):
+    """Each strategy's checkpoint format (DCP of DTensors, DCP of pipeline stages, DeepSpeed ZeRO-3 shards)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, hf = hf_llama
     run = tmp_path / "run"
-    args = [*OVERRIDES, f"model.init_from={path}", "parallelism=tensor", "trainer.max_steps=2"]
+    args = [*OVERRIDES, f"model.init_from={path}", *STRATEGIES[strategy], "trainer.max_steps=2"]
     done = run_train([*args, "checkpoint.every_n_steps=2", f"hydra.run.dir={run}"], cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     checkpoint = run / "checkpoints" / "step_00000002"
@@ -73,7 +101,8 @@ def test_trains_from_hf_weights_with_tensor_parallelism_and_exports_what_transfo
     export = [sys.executable, "-m", "distrain.checkpoint.export", str(checkpoint), str(out), "--format", "hf"]
     exported = subprocess.run(export, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert exported.returncode == 0, exported.stderr
-    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert not list(out.glob("*.bin")) and not list(out.glob("*.pt"))  # safetensors only: nothing pickled
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     state = consolidated_model_state(checkpoint)
     ours = Llama(**from_hf_config(hf.config)).eval()
@@ -85,6 +114,10 @@ def test_trains_from_hf_weights_with_tensor_parallelism_and_exports_what_transfo
     assert trained > 1e-3  # two steps of training moved the weights away from the HF start
     back = from_hf(to_hf(state))
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    reloaded = Llama(**from_hf_config(hf.config), init_from=str(out)).state_dict()  # ours -> HF files -> ours
+    assert reloaded.keys() == state.keys() and all(torch.equal(reloaded[k], state[k]) for k in state)
+    text = "hello distributed world"
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(path)(text).input_ids
 
 
 @pytest.mark.parametrize(
