@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 from helpers import REPO, run_train
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from distrain.checkpoint.export import consolidated_model_state
 from distrain.models.llama.hf import from_hf, from_hf_config, to_hf
@@ -136,14 +138,28 @@ def test_bad_init_from_is_refused_in_one_line(hf_llama, tmp_path, extra, words):
     assert words in done.stderr and "model.init_from" in done.stderr
 
 
-def test_export_to_hf_of_a_family_without_a_counterpart_is_one_line(tmp_path):
+@pytest.mark.parametrize("family", ["gpt_tiny", "mlp"])
+def test_export_of_gpt_is_gpt2_and_of_a_family_without_a_counterpart_is_one_line(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.gpt2 import GPT2LMHeadModel
+
     run = tmp_path / "run"
-    args = ["model=gpt_tiny", "model.n_layers=1", "data.corpus.max_bytes=200000", "parallelism=single", "logger=none"]
+    args = [f"model={family}", "model.n_layers=1", "data.corpus.max_bytes=200000", "parallelism=ddp", "logger=none"]
     done = run_train([*args, "trainer.max_steps=1", "checkpoint.every_n_steps=1", f"hydra.run.dir={run}"], cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
-    export = [sys.executable, "-m", "distrain.checkpoint.export", str(run / "checkpoints" / "step_00000001")]
-    refused = subprocess.run(
-        [*export, str(tmp_path / "out"), "--format", "hf"], cwd=REPO, capture_output=True, text=True
-    )
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert "the gpt model has no Hugging Face counterpart" in refused.stderr and not (tmp_path / "out").exists()
+    checkpoint = run / "checkpoints" / "step_00000001"
+    export = [sys.executable, "-m", "distrain.checkpoint.export", str(checkpoint), str(tmp_path / "out")]
+    exported = subprocess.run([*export, "--format", "hf"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    if family == "mlp":
+        assert exported.returncode == 2 and exported.stderr.count("\n") == 1, exported.stderr
+        assert "the mlp model has no Hugging Face counterpart" in exported.stderr and not (tmp_path / "out").exists()
+        return
+    assert exported.returncode == 0, exported.stderr
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
+    assert isinstance(loaded, GPT2LMHeadModel)
+    cfg = OmegaConf.load(checkpoint / "config.yaml")
+    ours = instantiate(cfg.model).eval()
+    ours.load_state_dict(consolidated_model_state(checkpoint))
+    tokens = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert (ours(tokens) - loaded(tokens).logits).abs().max() < 1e-4

@@ -91,7 +91,7 @@ class GPT(nn.Module):
             d_model,
             n_layers,
         )
-        self.n_heads, self.mlp_ratio = n_heads, mlp_ratio
+        self.n_heads, self.mlp_ratio, self.dropout = n_heads, mlp_ratio, dropout
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_seq_len, d_model)
         self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads, mlp_ratio, dropout) for i in range(n_layers)})

@@ -6,6 +6,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from distrain.config_checks import at_least, check
+from distrain.models.gpt.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ConfigProblem, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
@@ -60,4 +61,7 @@ GPT_SPEC = ModelSpec(
     tensor_problem=tensor_problem,
     flops_per_token=flops_per_token,
     check_config=check_config,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    hf_config=hf_config,
 )
