@@ -24,3 +24,4 @@ class MoEConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    init_from: str | None = None  # a local Hugging Face Mixtral directory (*.safetensors) whose weights start training

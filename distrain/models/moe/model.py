@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distrain.models.hf_weights import load_hf_weights
 from distrain.models.llama.model import Attention, Llama, RMSNorm
 from distrain.models.moe.spec import MOE_SPEC
 
@@ -183,6 +184,7 @@ class MoE(nn.Module):
         norm_eps: float = 1e-5,
         rope_theta: float = 10000.0,
         init_std: float = 0.02,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -203,6 +205,8 @@ class MoE(nn.Module):
         self.norm = RMSNorm(d_model, norm_eps)
         self.output = nn.Linear(d_model, vocab_size, bias=False)
         self.reset_parameters()
+        if init_from and not self.output.weight.is_meta:  # on the meta device (validation) there is nothing to fill
+            load_hf_weights(self, init_from)  # a Mixtral directory, renamed by the spec's from_hf (moe/hf.py)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

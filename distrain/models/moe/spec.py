@@ -7,12 +7,16 @@ a pipeline stage of it.
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from distrain.config_checks import at_least, check
+from distrain.config_checks import ConfigError, at_least, check
 from distrain.models.llama.spec import check_config as check_llama_config
+from distrain.models.moe.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ModelSpec
 
 
@@ -72,14 +76,63 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 # No tensor plan (experts are not split across tensor-parallel ranks) and, through the auxiliary loss, no pipeline.
 def check_config(cfg: DictConfig) -> None:
-    """The Llama part's settings, then the experts' (``ConfigError`` names the first bad key)."""
-    check_llama_config(cfg)
+    """The Llama part's settings, then the experts', then ``model.init_from`` (``ConfigError`` names the first bad
+    key)."""
+    init_from = cfg.model.get("init_from")
+    if init_from:
+        # The Llama checks would read the directory as a Llama's: they run on a copy without it.
+        cfg_without = copy.deepcopy(cfg)
+        cfg_without.model.init_from = None
+        check_llama_config(cfg_without)
+    else:
+        check_llama_config(cfg)
     for key in ("expert_hidden", "n_experts"):
         check(cfg, f"model.{key}", at_least(1), "an integer >= 1")
     experts = cfg.model.n_experts
     check(cfg, "model.top_k", lambda v: 1 <= v <= experts, f"1..model.n_experts ({experts})")
     for key in ("load_balance_coef", "z_loss_coef"):
         check(cfg, f"model.{key}", at_least(0), "a number >= 0")
+    if init_from:
+        check_init_from(cfg)
+
+
+def check_init_from(cfg: DictConfig) -> None:
+    """``model.init_from`` is a directory of Hugging Face Mixtral weights that fit the configured sizes, saved with
+    the configured architecture (as the Llama family's check of the same name)."""
+    from hydra.utils import instantiate
+
+    from distrain.models.hf_weights import weights_problem
+
+    path = Path(cfg.model.init_from)
+    if not path.is_dir():
+        raise ConfigError("model.init_from", str(path), "a local Hugging Face model directory (no such directory)")
+    with torch.device("meta"):
+        model = instantiate(cfg.model, init_from=None)
+    problem = weights_problem(model, path)
+    if problem:
+        raise ConfigError("model.init_from", str(path), f"Hugging Face weights that fit this config: {problem}")
+    check_same_architecture(cfg, path)
+
+
+def check_same_architecture(cfg: DictConfig, path: Path) -> None:
+    """The settings that change the forward but not the weights' shapes (heads, experts per token, norm epsilon,
+    RoPE base), read from the directory's config.json, equal the configured ones: weights under another top_k or
+    head split would train silently wrong."""
+    from transformers import AutoConfig
+
+    from distrain.models.moe.hf import from_hf_config
+
+    try:
+        theirs = from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError) as err:
+        raise ConfigError("model.init_from", str(path), f"a Mixtral config.json there ({err})") from None
+    model = cfg.model
+    ours = {"n_kv_heads": model.n_kv_heads or model.n_heads}
+    for key in ("n_heads", "n_kv_heads", "n_experts", "top_k", "norm_eps", "rope_theta"):
+        value = ours.get(key, model.get(key))
+        close = isinstance(value, float) and abs(value - theirs[key]) <= 1e-12 * abs(value)
+        if value != theirs[key] and not close:
+            raise ConfigError(f"model.{key}", value, f"{theirs[key]}, as in {path / 'config.json'} (model.init_from)")
 
 
 MOE_SPEC = ModelSpec(
@@ -93,4 +146,7 @@ MOE_SPEC = ModelSpec(
     auxiliary_loss=auxiliary_loss,
     metrics=metrics,
     check_config=check_config,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    hf_config=hf_config,
 )
