@@ -1,15 +1,23 @@
-"""``model=hf``: a local Hugging Face causal LM behind the model contract (token ids in, logits out)."""
+"""``model=hf``: a local Hugging Face causal LM behind the model contract (token ids in, logits out).
+
+Architectures laid out like Llama (``llama``, ``mistral``, ``qwen2``, ``qwen3``: ``model.embed_tokens``,
+``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``) are taken apart: the wrapper holds those pieces
+as its own children (the decoder layers in a ``ModuleDict`` keyed "0", "1", ...) and runs them in its own forward,
+which skips the pieces a pipeline stage does not hold. The layers are Hugging Face's own modules, so the math is
+theirs; the causal (or sliding-window) masks are built by Hugging Face's own mask functions. Other architectures
+are wrapped whole as ``self.hf`` and run by their own forward.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from distrain.models.hf.spec import HF_CONFIG_SPEC, hf_spec
+from distrain.models.hf.spec import HF_CONFIG_SPEC, attention_kinds, has_llama_layout, hf_spec
 
 
 class HFCausalLM(nn.Module):
-    """``AutoModelForCausalLM`` from a local directory (never the hub), in fp32, as ``self.hf``.
+    """``AutoModelForCausalLM`` from a local directory (never the hub), in fp32.
 
     Args:
         name_or_path: a local directory with ``config.json`` and ``*.safetensors`` weights.
@@ -17,6 +25,10 @@ class HFCausalLM(nn.Module):
         random_init: build from ``config.json`` with Hugging Face's initialisation instead of loading the weights.
         attn_implementation: transformers' attention kernel (``sdpa``, ``eager``).
         vocab_size: the model config's vocabulary (None: ``config.json``'s); a different number is refused.
+
+    Llama layout: children ``embed_tokens``, ``rotary_emb`` (non-persistent RoPE buffers, needed by every pipeline
+    stage), ``layers``, ``norm``, ``lm_head``. Otherwise one child, ``hf``. Either way the transformers config is the
+    plain attribute ``config`` (not a module: the state dict names every tensor once).
     """
 
     parallel_spec = HF_CONFIG_SPEC  # replaced per instance by the architecture's spec
@@ -38,15 +50,65 @@ class HFCausalLM(nn.Module):
             raise ValueError(f"vocab_size {vocab_size} is not the model's {config.vocab_size} ({name_or_path})")
         on_meta = torch.empty(()).is_meta  # validation builds shapes only: no weights to read
         if random_init or on_meta:
-            self.hf = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+            hf = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
         else:
-            self.hf = AutoModelForCausalLM.from_pretrained(
+            hf = AutoModelForCausalLM.from_pretrained(
                 name_or_path, local_files_only=True, attn_implementation=attn_implementation, dtype=torch.float32
             )
-        self.hf.float()
-        self.max_seq_len, self.vocab_size = max_seq_len, config.vocab_size
-        self.parallel_spec = hf_spec(self.hf)
+        hf.float()
+        self.max_seq_len, self.vocab_size, self.hidden_size = max_seq_len, config.vocab_size, config.hidden_size
+        self.config, self.architecture = hf.config, type(hf).__name__
+        self.split = has_llama_layout(hf)
+        if self.split:
+            self._adopt(hf)
+        else:
+            self.hf = hf
+        self.parallel_spec = hf_spec(self)
+
+    def _adopt(self, hf: nn.Module) -> None:
+        """Hold the Llama-layout model's pieces as this module's children; the transformers model itself is
+        dropped (its pieces keep their weights, ties included: a tied ``lm_head`` shares ``embed_tokens``' weight)."""
+        inner = hf.model
+        self.embed_tokens = inner.embed_tokens
+        self.rotary_emb = inner.rotary_emb
+        self.layers = nn.ModuleDict({str(index): layer for index, layer in enumerate(inner.layers)})
+        self.norm = inner.norm
+        self.lm_head = hf.lm_head
+        self.layer_kinds = attention_kinds(self.config)  # full_attention | sliding_attention, per layer
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, seq, vocab) of ``tokens`` (batch, seq), on the tokens' device; no key/value cache."""
-        return self.hf(input_ids=tokens, use_cache=False).logits
+        """Logits (batch, seq, vocab) of ``tokens`` (batch, seq), on the tokens' device; no key/value cache.
+
+        Llama layout, as a pipeline stage: hidden states (batch, seq, hidden_size) in when ``embed_tokens`` is None,
+        hidden states out when ``lm_head`` is None. No communication here (strategies' hooks may add some)."""
+        if not self.split:
+            return self.hf(input_ids=tokens, use_cache=False).logits
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(h, positions)
+        masks = causal_masks(self.config, h, {self.layer_kinds[int(key)] for key in self.layers})
+        for key, layer in self.layers.items():
+            # Keyword arguments, as Hugging Face's own model passes them; activation checkpointing, compile and
+            # FSDP wrap the layer's call and pass them through.
+            h = layer(
+                h,
+                attention_mask=masks[self.layer_kinds[int(key)]],
+                position_embeddings=position_embeddings,
+                position_ids=positions,
+            )
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h
+
+
+def causal_masks(config: object, hidden: torch.Tensor, kinds: set[str]) -> dict[str, torch.Tensor | None]:
+    """Each attention kind's mask for ``hidden`` (batch, seq, width), from Hugging Face's own mask functions, on
+    the hidden states' device: None where the kernel can be told "causal" instead (sdpa without a window shorter
+    than the sequence), an additive or boolean mask otherwise (eager attention adds nothing when given None)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    # No position ids: with them Hugging Face looks for packed sequences, which plain 0..seq-1 positions never are.
+    return {kind: makers[kind](config=config, inputs_embeds=hidden, attention_mask=None, cache=None) for kind in kinds}

@@ -1,16 +1,19 @@
 """How a wrapped Hugging Face causal LM is split, sharded and counted: its spec is built from the model itself.
 
-The decoder layers are found from the model's own ``_no_split_modules`` (the layer classes Hugging Face never
-splits): the ``ModuleList`` holding them gives FSDP's, activation checkpointing's and compile's units. Architectures
-laid out like Llama (``q_proj``/``k_proj``/``v_proj``/``o_proj``, ``gate_proj``/``up_proj``/``down_proj``) get a
-tensor-parallel plan keyed to those names. Pipeline stages need a forward that skips the parts a stage does not
-hold, which a Hugging Face forward does not do: pipelines are refused.
+Architectures laid out like Llama (``llama``, ``mistral``, ``qwen2``, ``qwen3``) are held by the wrapper as its own
+children (``embed_tokens``, ``rotary_emb``, ``layers``, ``norm``, ``lm_head``) with a forward that skips what a
+pipeline stage does not hold: their decoder layers are the blocks, a tensor-parallel plan is keyed to Hugging Face's
+names (``q_proj`` ... ``down_proj``) and pipelines split them (untied ones). Other architectures are wrapped whole
+(``hf``): their decoder layers, found from the model's own ``_no_split_modules``, are FSDP's, activation
+checkpointing's and compile's units, and tensor and pipeline parallelism refuse them in one line naming the
+architecture and the strategies that train it. Both map their state dict to the transformers model's names.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 from torch import nn
 
@@ -18,9 +21,26 @@ from distrain.config_checks import ConfigError, check
 from distrain.models.spec import ConfigProblem, ModelSpec, matmul_flops_per_token
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
-ROOT = "hf"  # the wrapper's attribute holding the transformers model
-# model_type -> (layers path, final norm path) of architectures laid out like Llama.
-LLAMA_LAYOUT = {name: ("model.layers", "model.norm") for name in ("llama", "mistral", "qwen2", "qwen3")}
+ROOT = "hf"  # the wrapper's child holding a transformers model wrapped whole
+LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")  # model_type of architectures taken apart
+ATTENTION_KINDS = ("full_attention", "sliding_attention")  # the layer types whose masks the wrapper builds
+DATA_PARALLEL = "single, ddp, zero, fsdp"
+NAMES = DecoderNames(
+    blocks="layers",
+    column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+    row=("self_attn.o_proj", "mlp.down_proj"),
+    norms=(),
+    sublayers=(),
+    final_norm="norm",
+    head="lm_head",
+)
+# Our names of a Llama-layout wrapper's top-level pieces -> the transformers model's.
+_TO_HF = {
+    "embed_tokens.": "model.embed_tokens.",
+    "layers.": "model.layers.",
+    "norm.": "model.norm.",
+    "lm_head.": "lm_head.",
+}
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -48,6 +68,30 @@ def check_config(cfg: DictConfig) -> None:
         )
 
 
+def attention_kinds(config: object) -> tuple[str, ...]:
+    """Each decoder layer's attention kind, as the architecture's own forward picks its mask: ``layer_types``
+    (Qwen2, Qwen3), else sliding everywhere when ``sliding_window`` is set (Mistral), else full (Llama)."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return tuple(kinds)
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ("sliding_attention" if sliding else "full_attention",) * config.num_hidden_layers
+
+
+def has_llama_layout(model: nn.Module) -> bool:
+    """Whether the transformers ``model`` is laid out like Llama, so the wrapper can hold its pieces: a listed
+    ``model_type``, ``model.{embed_tokens, layers, norm, rotary_emb}`` and ``lm_head``, and only full or sliding
+    attention layers (whose masks the wrapper builds)."""
+    inner = getattr(model, "model", None)
+    pieces = [getattr(inner, name, None) for name in ("embed_tokens", "norm", "rotary_emb")]
+    return (
+        model.config.model_type in LLAMA_LAYOUT
+        and isinstance(getattr(inner, "layers", None), nn.ModuleList)
+        and all(isinstance(piece, nn.Module) for piece in [*pieces, getattr(model, "lm_head", None)])
+        and set(attention_kinds(model.config)) <= set(ATTENTION_KINDS)
+    )
+
+
 def layers_path(model: nn.Module) -> str | None:
     """Path (below the transformers model) of the ModuleList of its decoder layers, from ``_no_split_modules``."""
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
@@ -59,48 +103,123 @@ def layers_path(model: nn.Module) -> str | None:
 
 
 def hf_spec(model: nn.Module) -> ModelSpec:
-    """The spec of a wrapped transformers causal LM ``model`` (``model.config.model_type`` picks the plan)."""
-    config = model.config
-    layers = layers_path(model)
-    layout = LLAMA_LAYOUT.get(config.model_type)
-    plan = problem = None
-    if layout and layers == layout[0]:
-        names = DecoderNames(
-            blocks=f"{ROOT}.{layers}",
-            column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
-            row=("self_attn.o_proj", "mlp.down_proj"),
-            norms=(),
-            sublayers=(),
-            final_norm=f"{ROOT}.{layout[1]}",
-            head=f"{ROOT}.lm_head",
-        )
+    """The spec of an ``HFCausalLM`` ``model``: taken apart (Llama layout) or wrapped whole."""
+    return llama_layout_spec(model) if model.split else whole_spec(model)
 
-        def plan(module: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, object]:
-            return decoder_plan(module, names, sequence_parallel=False, loss_parallel=False)
 
-        def problem(module: nn.Module, degree: int, split_head: bool) -> ConfigProblem | None:
-            for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-                if getattr(config, key) % degree:
-                    return ConfigProblem("model.name_or_path", getattr(config, key), f"{key} a multiple of {degree}")
-            return None
+def llama_layout_spec(model: nn.Module) -> ModelSpec:
+    """Blocks ``layers``, embedding first, final norm and head last, a tensor plan keyed to Hugging Face's names."""
+
+    def to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {_renamed(name, _TO_HF): tensor for name, tensor in state.items()}
+
+    def from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        back = {hf: ours for ours, hf in _TO_HF.items()}
+        return _with_ties({_renamed(name, back): tensor for name, tensor in state.items()}, ties)
+
+    ties = tied_names(model)
+    return ModelSpec(
+        name=f"Hugging Face {model.config.model_type} ({model.architecture})",
+        blocks="layers",
+        before_blocks=("embed_tokens",),
+        after_blocks=("norm", "lm_head"),
+        width="hidden_size",
+        tensor_plan=tensor_plan,
+        tensor_problem=tensor_problem,
+        pipeline_problem=pipeline_problem,
+        flops_per_token=flops_per_token,
+        check_config=check_config,
+        to_hf=to_hf,
+        from_hf=from_hf,
+        hf_config=hf_config,
+    )
+
+
+def whole_spec(model: nn.Module) -> ModelSpec:
+    """Blocks from ``_no_split_modules`` (data-parallel units only); no tensor plan, no pipeline split."""
+    name = f"Hugging Face {model.config.model_type} ({model.architecture}; data-parallel only: {DATA_PARALLEL})"
+    layers = layers_path(model.get_submodule(ROOT))
+    ties = tied_names(model)
+
+    def to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {_renamed(key, {f"{ROOT}.": ""}): tensor for key, tensor in state.items()}
+
+    def from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _with_ties({f"{ROOT}.{key}": tensor for key, tensor in state.items()}, ties)
 
     return ModelSpec(
-        name=f"Hugging Face {type(model).__name__}",
+        name=name,
         blocks=f"{ROOT}.{layers}" if layers else None,
-        tensor_plan=plan,
-        tensor_problem=problem,
         pipeline_problem=lambda _: (
-            "a Hugging Face forward runs every layer: a pipeline stage needs a forward that skips the parts it does "
-            "not hold (the built-in Llama family, with model.init_from=<HF directory>, has one)"
+            f"the {name} model has no pipeline split: only Llama-layout architectures ({', '.join(LLAMA_LAYOUT)}) "
+            "have one"
         ),
         flops_per_token=flops_per_token,
         check_config=check_config,
+        to_hf=to_hf,
+        from_hf=from_hf,
+        hf_config=hf_config,
     )
+
+
+def tensor_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, object]:
+    """Column-parallel q/k/v and gate/up, row-parallel o/down in every block held (no sequence or loss parallel
+    form: ``tensor_options`` is empty, so validation refuses those options)."""
+    return decoder_plan(model, NAMES, sequence_parallel=False, loss_parallel=False)
+
+
+def tensor_problem(model: nn.Module, degree: int, split_head: bool) -> ConfigProblem | None:
+    """Query heads, key/value heads and the MLP's hidden units split evenly over the ranks."""
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(model.config, key)
+        if value % degree:
+            return ConfigProblem("model.name_or_path", value, f"config.json's {key} a multiple of {degree}")
+    return None
+
+
+def pipeline_problem(model: nn.Module) -> str | None:
+    """A tied head is one weight in the first and the last stage."""
+    if model.config.tie_word_embeddings:
+        return (
+            f"{model.config.model_type} ties lm_head to embed_tokens (tie_word_embeddings in config.json): one weight "
+            f"would be in the first and the last stage; {DATA_PARALLEL} and tensor train it"
+        )
+    return None
+
+
+def hf_config(model: nn.Module) -> object:
+    """The transformers config of the wrapped model (a plain attribute: also on the meta device, and on a stage)."""
+    return model.config
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of state-dict names sharing one parameter (a tied head and embedding)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _renamed(name: str, prefixes: dict[str, str]) -> str:
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    raise KeyError(f"no Hugging Face state-dict mapping for key {name!r}")
+
+
+def _with_ties(state: dict[str, torch.Tensor], ties: list[list[str]]) -> dict[str, torch.Tensor]:
+    """``state`` with each tied name it lacks filled from a present one (safetensors store a tied tensor once)."""
+    for names in ties:
+        present = [name for name in names if name in state]
+        for name in names:
+            if present and name not in state:
+                state[name] = state[present[0]]
+    return state
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """6 per linear weight plus attention scores and values (12 x layers x hidden x seq, as for the Llama family)."""
-    config = model.get_submodule(ROOT).config
+    config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads_width = config.num_attention_heads * head_dim
     return matmul_flops_per_token(model, seq_len) + 12.0 * config.num_hidden_layers * heads_width * seq_len
