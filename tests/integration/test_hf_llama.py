@@ -128,6 +128,7 @@ def test_trains_from_hf_weights_and_exports_what_transformers_loads(hf_llama, tm
         (["model.init_from=/nonexistent/llama"], "no such directory"),
         (["model.d_model=128"], "model.init_from="),
         (["model.rope_theta=500000"], "10000.0, as in"),
+        (["model.n_heads=8", "model.n_kv_heads=4"], "model.n_heads=8 is not allowed: 4, as in"),
     ],
 )
 def test_bad_init_from_is_refused_in_one_line(hf_llama, tmp_path, extra, words):

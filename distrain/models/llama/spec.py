@@ -93,9 +93,9 @@ def check_init_from(cfg: DictConfig) -> None:
 
 
 def check_same_architecture(cfg: DictConfig, path: Path) -> None:
-    """The settings the weights were trained with (norm epsilon, RoPE, tying), read from the directory's
-    config.json, equal the configured ones: weights of the right shapes under another epsilon or RoPE base would
-    train silently wrong."""
+    """The settings the weights were trained with (heads, norm epsilon, RoPE, tying), read from the directory's
+    config.json, equal the configured ones: weights of the right shapes under another head split, epsilon or RoPE
+    base would train silently wrong."""
     from transformers import AutoConfig
 
     from distrain.models.llama.hf import from_hf_config
@@ -104,9 +104,10 @@ def check_same_architecture(cfg: DictConfig, path: Path) -> None:
         theirs = from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
     except (OSError, ValueError) as err:
         raise ConfigError("model.init_from", str(path), f"a Llama config.json there ({err})") from None
-    for key in ("norm_eps", "rope_theta", "rope_scaling", "tie_embeddings"):
+    for key in ("n_heads", "n_kv_heads", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings"):
         ours = cfg.model.get(key)
         ours = (dict(ours) or None) if key == "rope_scaling" and ours is not None else ours
+        ours = cfg.model.n_heads if key == "n_kv_heads" and ours is None else ours  # None: as many as query heads
         if ours != theirs[key] and not (isinstance(ours, float) and abs(ours - theirs[key]) <= 1e-12 * abs(ours)):
             raise ConfigError(f"model.{key}", ours, f"{theirs[key]}, as in {path / 'config.json'} (model.init_from)")
 
