@@ -32,8 +32,23 @@ FAST = [
 ]
 
 
+def save_tiny_tokenizer(path: Path, vocab_size: int = 256) -> None:
+    """A byte-level BPE tokenizer trained on two sentences, saved with ``save_pretrained`` (tokenizer.json, ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["hello world " * 10, "distributed training"], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(path)
+
+
 def save_tiny_hf_llama(path: Path) -> Path:
-    """A tiny random ``LlamaForCausalLM`` saved in ``path`` with ``save_pretrained`` (config.json, safetensors)."""
+    """A tiny random ``LlamaForCausalLM`` saved in ``path`` with ``save_pretrained`` (config.json, safetensors),
+    with a tokenizer beside it, as a published model directory has."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -42,6 +57,7 @@ def save_tiny_hf_llama(path: Path) -> Path:
         num_key_value_heads=2, max_position_embeddings=128,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(path)
+    save_tiny_tokenizer(path)
     return path
 
 

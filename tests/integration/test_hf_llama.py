@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, run_train
+from helpers import REPO, run_train, save_tiny_tokenizer
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -47,22 +47,6 @@ STRATEGIES = {
     "pipeline": ["parallelism=pipeline"],
     "zero3": ["parallelism=zero", "stage=3"],
 }
-
-
-def save_tiny_tokenizer(path):
-    """A byte-level BPE tokenizer trained on two sentences, saved with ``save_pretrained`` (tokenizer.json, ...)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=HF_SIZES["vocab_size"],
-        special_tokens=["<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(["hello world " * 10, "distributed training"], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(path)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,19 @@
 """``model=hf``: a local Hugging Face Llama (built in the test with ``save_pretrained``) trains under ddp, fsdp,
 zero, tensor and pipeline parallelism with the losses of one process, with activation checkpointing and compile;
-bad directories are refused in one line before any rank starts."""
+its sharded checkpoint exports to a directory transformers loads (with the tokenizer); bad directories are refused
+in one line before any rank starts."""
 
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import REPO, run_train, save_tiny_hf_llama
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from distrain.checkpoint.export import consolidated_model_state
 
 pytestmark = pytest.mark.integration
 
@@ -30,15 +36,35 @@ def test_check_model_passes_the_data_tensor_and_pipeline_parallel_layouts(hf_dir
     assert [rows[name] for name in ("ddp", "fsdp", "zero2", "tensor", "pipeline")] == ["pass"] * 5, rows
 
 
-def test_trains_with_activation_checkpointing_and_compile(hf_dir, tmp_path):
-    args = [*FAST, "model=hf", f"model.name_or_path={hf_dir}", "parallelism=fsdp", "activation_checkpointing=full"]
-    args += ["compile=true", "compile_backend=aot_eager", "trainer.max_steps=8", "trainer.log_every=1"]
+def test_trains_with_activation_checkpointing_and_compile_and_exports_what_transformers_loads(hf_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = ["data.corpus.max_bytes=200000", "logger=none", "model=hf", f"model.name_or_path={hf_dir}"]
+    args += ["parallelism=fsdp", "activation_checkpointing=full", "compile=true", "compile_backend=aot_eager"]
+    args += ["trainer.max_steps=8", "trainer.log_every=1", "checkpoint.every_n_steps=8"]
     done = run_train([*args, f"hydra.run.dir={tmp_path}"], cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 8 and losses[-1] < losses[0]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["compile"]["graphs"] >= 1
+    # The sharded FSDP checkpoint, exported, is a directory transformers loads, with the source's tokenizer.
+    checkpoint, out = tmp_path / "checkpoints" / "step_00000008", tmp_path / "exported"
+    export = [sys.executable, "-m", "distrain.checkpoint.export", str(checkpoint), str(out), "--format", "hf"]
+    exported = subprocess.run(export, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ours = instantiate(OmegaConf.load(checkpoint / "config.yaml").model).eval()  # the HF directory's weights
+    start = {name: tensor.clone() for name, tensor in ours.state_dict().items()}
+    ours.load_state_dict(consolidated_model_state(checkpoint))
+    tokens = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert (ours(tokens) - loaded(tokens).logits).abs().max() < 1e-4
+    assert not all(torch.equal(start[name], tensor) for name, tensor in ours.state_dict().items())  # it trained
+    assert (
+        AutoTokenizer.from_pretrained(out)("hello").input_ids
+        == AutoTokenizer.from_pretrained(hf_dir)("hello").input_ids
+    )
 
 
 @pytest.mark.parametrize(

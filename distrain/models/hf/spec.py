@@ -218,11 +218,15 @@ def _with_ties(state: dict[str, torch.Tensor], ties: list[list[str]]) -> dict[st
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """6 per linear weight plus attention scores and values (12 x layers x hidden x seq, as for the Llama family)."""
+    """6 per linear (or Conv1D) weight plus attention scores and values (12 x layers x hidden x seq, as for the
+    Llama family)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads_width = config.num_attention_heads * head_dim
-    return matmul_flops_per_token(model, seq_len) + 12.0 * config.num_hidden_layers * heads_width * seq_len
+    # GPT-2-like models keep their projections in transformers' Conv1D (an (in, out) weight), not nn.Linear.
+    conv1d = 6.0 * sum(m.weight.numel() for m in model.modules() if type(m).__name__ == "Conv1D")
+    attention = 12.0 * config.num_hidden_layers * heads_width * seq_len
+    return matmul_flops_per_token(model, seq_len) + conv1d + attention
 
 
 # Before the model is built (validation): the directory's checks only.
