@@ -34,7 +34,7 @@ from distrain.agreement import StepAgreement
 from distrain.checkpoint.checkpointer import Checkpointer, checkpoint_step
 from distrain.checkpoint.preflight import prepare_checkpoint_dir
 from distrain.config import TrainerConfig, register_configs
-from distrain.data.sampler import Batch, GlobalBatchSampler, TokenWindows, TrainBatches, validation_batches
+from distrain.data.sampler import Batch, GlobalBatchSampler, TrainBatches, token_windows, validation_batches
 from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_failure, shutdown_distributed
 from distrain.errors import RunError, run_error_line
 from distrain.launch import (
@@ -126,7 +126,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     )
     corpus = instantiate(cfg.data.corpus)
     dp_rank, dp_size = strategy.data_parallel
-    train_windows = TokenWindows(corpus.train, cfg.data.seq_len)
+    train_windows = token_windows(corpus.train, cfg.data.seq_len)
     sampler = GlobalBatchSampler(
         num_samples=len(train_windows),
         micro_batch_size=cfg.data.micro_batch_size,
@@ -136,7 +136,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         seed=settings.seed,
     )
     val_batches = validation_batches(
-        TokenWindows(corpus.val, cfg.data.seq_len),
+        token_windows(corpus.val, cfg.data.seq_len),
         micro_batch_size=cfg.data.micro_batch_size,
         num_batches=settings.eval_batches,
         dp_rank=dp_rank,
@@ -151,7 +151,9 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     )
     return RankRun(
         strategy=strategy,
-        data=TrainBatches(train_windows, sampler),
+        data=TrainBatches(
+            train_windows, sampler, prefetch=cfg.data.get("prefetch", False), pin_memory=env.device.type == "cuda"
+        ),
         val_batches=val_batches,
         reporter=reporter,
         checkpointer=instantiate(cfg.checkpoint)(

@@ -98,6 +98,26 @@ class SyntheticDataConfig:
     corpus: SyntheticCorpusConfig = field(default_factory=SyntheticCorpusConfig)
 
 
+@dataclass(kw_only=True)
+class TokensCorpusConfig:
+    """The splits of a tokenised dataset directory, memory-mapped (``distrain/data/token_format.py``)."""
+
+    _target_: str = "distrain.data.tokens.token_corpus"
+    path: str = "${data.path}"
+
+
+@dataclass(kw_only=True)
+class TokensDataConfig:
+    """A tokenised dataset on disk: ``python -m distrain.data.prepare``'s output, or nanoGPT's train.bin/val.bin."""
+
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    path: str = MISSING  # the dataset directory
+    verify_checksums: bool = True  # SHA-256 of every shard against its index before any rank starts
+    prefetch: bool = True  # the next step's batches read by a background thread during this step
+    corpus: TokensCorpusConfig = field(default_factory=TokensCorpusConfig)
+
+
 # ---------------------------------------------------------------------------------------- parallelism
 
 
@@ -425,7 +445,7 @@ class Config:
 # ``defaults: [/schema/<group>/<name>@_here_, _self_]``.
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"gpt": GPTConfig, "mlp": MLPConfig, "llama": LlamaConfig, "hf": HFConfig, "moe": MoEConfig},
-    "data": {"stdlib": StdlibDataConfig, "synthetic": SyntheticDataConfig},
+    "data": {"stdlib": StdlibDataConfig, "synthetic": SyntheticDataConfig, "tokens": TokensDataConfig},
     "parallelism": {
         "single": SingleConfig,
         "ddp": DDPConfig,
@@ -456,10 +476,20 @@ def _stage_or(default: int, *, _root_: DictConfig) -> int:
     return _root_.stage if _root_.stage is not None else default
 
 
+def _data_vocab(path: str | None) -> int:
+    """``${data_vocab:PATH}``: the vocabulary of the dataset at PATH (0 when it is unreadable: data validation,
+    which runs first, reports why in one line)."""
+    from distrain.data.tokens import data_vocab_size
+
+    return data_vocab_size(path) or 0
+
+
 def register_configs() -> None:
     """Store the root schema and every group's base schemas in Hydra's ConfigStore (idempotent)."""
     if not OmegaConf.has_resolver("stage_or"):
         OmegaConf.register_new_resolver("stage_or", _stage_or)
+    if not OmegaConf.has_resolver("data_vocab"):
+        OmegaConf.register_new_resolver("data_vocab", _data_vocab)
     store = ConfigStore.instance()
     store.store(name="base_config", node=Config)
     for group, schemas in SCHEMAS.items():

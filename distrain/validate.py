@@ -18,7 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.config_checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.data.corpus import CorpusTooSmall
-from distrain.data.sampler import GlobalBatchSampler, TokenWindows
+from distrain.data.sampler import GlobalBatchSampler, token_windows
+from distrain.data.token_format import DataError
+from distrain.data.tokens import check_dataset
+from distrain.data.tokens import largest_token_id as dataset_largest_token_id
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.parallelism.compile import backend_problem
@@ -68,6 +71,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     that are about this machine (a GPU visible here, how many, autocast probed on it) are skipped; every other
     check is the one the real launch runs.
     """
+    _validate_dataset(cfg)  # first: data=tokens reads the model's vocabulary from the dataset
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except Exception as err:  # interpolation or missing-value errors carry the key in their message
@@ -184,7 +188,8 @@ def _validate_model_and_data(cfg: DictConfig) -> None:
     check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1 (sequences per rank per micro-step)")
     max_seq_len = model_cfg.get("max_seq_len") or cfg.data.seq_len
     check(cfg, "data.seq_len", lambda v: 1 <= v <= max_seq_len, f"1..model.max_seq_len ({max_seq_len})")
-    check(cfg, "data.corpus.val_fraction", lambda v: 0 < v <= 0.5, "a fraction in (0, 0.5]")
+    if "val_fraction" in cfg.data.corpus:
+        check(cfg, "data.corpus.val_fraction", lambda v: 0 < v <= 0.5, "a fraction in (0, 0.5]")
     for key in ("max_bytes", "num_tokens"):
         if key in cfg.data.corpus:
             check(cfg, f"data.corpus.{key}", at_least(1), "an integer >= 1")
@@ -226,8 +231,24 @@ def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
 
 
 def largest_token_id(corpus: DictConfig) -> int:
-    """The largest token id a corpus can hold, known from its config without reading it."""
+    """The largest token id a corpus can hold, known from its config (or a dataset's index) without reading it."""
+    if "path" in corpus:
+        return dataset_largest_token_id(corpus.path)
     return corpus.vocab_size - 1 if "vocab_size" in corpus else 255  # the stdlib corpus is bytes
+
+
+def _validate_dataset(cfg: DictConfig) -> None:
+    """A dataset on disk (``data.path``): readable, its shards whole (and unchanged, with
+    ``data.verify_checksums``), its tokenizer readable; one line naming ``data.path`` and the file otherwise."""
+    if "path" not in cfg.data.keys():  # keys(), not `in`: a missing (???) value is not `in` a DictConfig
+        return
+    path = None if OmegaConf.is_missing(cfg.data, "path") else cfg.data.path
+    if not path:
+        raise ConfigError("data.path", path, "a dataset directory (python -m distrain.data.prepare's output)")
+    try:
+        check_dataset(path, checksums=bool(cfg.data.get("verify_checksums", True)))
+    except DataError as err:
+        raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
 
 
 def data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
@@ -255,9 +276,14 @@ def validate_data_fits(cfg: DictConfig, world_size: int) -> GlobalBatchSampler:
         if isinstance(cause, CorpusTooSmall):
             raise ConfigError(f"data.corpus.{cause.key}", cause.value, cause.allowed) from None
         raise
+    train_windows = len(token_windows(corpus.train, cfg.data.seq_len))
+    if train_windows < 1:
+        raise ConfigError(
+            "data.seq_len", cfg.data.seq_len, "shorter: the train split holds no window of data.seq_len + 1 tokens"
+        )
     try:
         sampler = GlobalBatchSampler(
-            num_samples=len(TokenWindows(corpus.train, cfg.data.seq_len)),
+            num_samples=train_windows,
             micro_batch_size=cfg.data.micro_batch_size,
             grad_accum_steps=cfg.trainer.grad_accum_steps,
             dp_rank=0,
@@ -268,7 +294,7 @@ def validate_data_fits(cfg: DictConfig, world_size: int) -> GlobalBatchSampler:
         raise ConfigError(
             "data.micro_batch_size", cfg.data.micro_batch_size, f"a smaller global batch: {err}"
         ) from None
-    if len(TokenWindows(corpus.val, cfg.data.seq_len)) < 1:
+    if len(token_windows(corpus.val, cfg.data.seq_len)) < 1:
         raise ConfigError(
             "data.seq_len", cfg.data.seq_len, f"at most {len(corpus.val) - 1}, the validation split's length in tokens"
         )

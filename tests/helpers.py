@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
@@ -30,6 +31,25 @@ FAST = [
     "checkpoint=none",
     "logger=none",
 ]
+
+
+def write_token_dataset(directory: Path, splits: dict[str, list[np.ndarray]], vocab_size: int = 256) -> Path:
+    """A dataset in distrain's token format from ``{split: [shard ids, ...]}`` (uint16), indexes written last."""
+    from distrain.data.token_format import Shard, SplitIndex, sha256_of, write_index
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, shards in splits.items():
+        written = []
+        for number, ids in enumerate(shards):
+            path = directory / f"{split}-{number:05d}.bin"
+            np.asarray(ids, dtype=np.uint16).tofile(path)
+            written.append(Shard(path.name, len(ids), sha256_of(path)))
+        tokens = sum(len(ids) for ids in shards)
+        largest = max(int(np.max(ids)) for ids in shards if len(ids))
+        write_index(
+            directory, SplitIndex(split, "uint16", vocab_size, None, None, None, tokens, largest, tuple(written))
+        )
+    return directory
 
 
 def save_tiny_tokenizer(path: Path, vocab_size: int = 256) -> None:

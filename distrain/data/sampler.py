@@ -9,8 +9,9 @@ sequences. Within an epoch no sequence is seen twice; the tail that does not fil
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +44,20 @@ class TokenWindows:
     def batch(self, indices: torch.Tensor) -> Batch:
         windows = self.tokens[indices[:, None] * self.seq_len + self.offsets].long()
         return Batch(inputs=windows[:, :-1], targets=windows[:, 1:])
+
+
+class Windows(Protocol):
+    """What the samplers read from: a number of windows, and a Batch of any of them."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: torch.Tensor) -> Batch: ...
+
+
+def token_windows(stream: Any, seq_len: int) -> Windows:
+    """The windows of a split: an in-memory token tensor's ``TokenWindows``, or those a stream on disk makes itself
+    (``distrain.data.tokens.ShardedTokens.windows``)."""
+    return stream.windows(seq_len) if hasattr(stream, "windows") else TokenWindows(stream, seq_len)
 
 
 class GlobalBatchSampler:
@@ -108,23 +123,59 @@ class GlobalBatchSampler:
 
 
 class TrainBatches:
-    """This rank's training stream: each ``next_step()`` returns the micro-batches of one optimizer step."""
+    """This rank's training stream: each ``next_step()`` returns the micro-batches of one optimizer step.
 
-    def __init__(self, windows: TokenWindows, sampler: GlobalBatchSampler) -> None:
-        self.windows, self.sampler = windows, sampler
+    With ``prefetch``, a background thread reads step k+1's windows while step k computes (into pinned memory with
+    ``pin_memory``, so the copy to the GPU is asynchronous). The sampler advances in the caller's thread only, and
+    ``state_dict()`` is the position after the last step *returned*, never after one prefetched: a checkpoint
+    resumes exactly with the next step the run would have trained on.
+    """
+
+    def __init__(
+        self, windows: Windows, sampler: GlobalBatchSampler, *, prefetch: bool = False, pin_memory: bool = False
+    ) -> None:
+        self.windows, self.sampler, self.pin_memory = windows, sampler, pin_memory
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distrain-data") if prefetch else None
+        self._pending: tuple[Future | list[Batch], dict[str, Any]] | None = None
+        self._returned_state: dict[str, Any] | None = None
+
+    def _read(self, indices: list[torch.Tensor]) -> list[Batch]:
+        batches = [self.windows.batch(step_indices) for step_indices in indices]
+        if self.pin_memory:
+            batches = [Batch(b.inputs.pin_memory(), b.targets.pin_memory()) for b in batches]
+        return batches
+
+    def _request_next(self) -> tuple[Future | list[Batch], dict[str, Any]]:
+        indices = self.sampler.next_step()
+        state = self.sampler.state_dict()
+        if self._reader is None:
+            return self._read(indices), state
+        return self._reader.submit(self._read, indices), state
 
     def next_step(self) -> list[Batch]:
-        return [self.windows.batch(indices) for indices in self.sampler.next_step()]
+        pending, state = self._pending or self._request_next()
+        batches = pending.result() if isinstance(pending, Future) else pending
+        self._returned_state = state
+        self._pending = self._request_next() if self._reader is not None else None
+        return batches
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        return dict(self._returned_state) if self._returned_state is not None else self.sampler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._pending is not None and isinstance(self._pending[0], Future):
+            self._pending[0].result()  # let the read in flight finish before its sampler position is dropped
+        self._pending, self._returned_state = None, None
         self.sampler.load_state_dict(state)
+
+    def close(self) -> None:
+        """Stop the background reader (a read in flight finishes first)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
 
 
 def validation_batches(
-    windows: TokenWindows, *, micro_batch_size: int, num_batches: int, dp_rank: int, dp_size: int
+    windows: Windows, *, micro_batch_size: int, num_batches: int, dp_rank: int, dp_size: int
 ) -> list[Batch]:
     """A fixed validation set, the first windows of the validation stream, split over data-parallel ranks.
 

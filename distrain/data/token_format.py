@@ -1,0 +1,178 @@
+"""The on-disk format of a tokenised dataset (what ``python -m distrain.data.prepare`` writes, ``data=tokens`` reads).
+
+A dataset is one directory::
+
+    DATA_DIR/
+      train.json            the train split's index
+      train-00000.bin ...   its shards: raw little-endian token ids, nothing else (np.memmap reads them)
+      val.json, val-00000.bin ...
+      tokenizer.json        the Hugging Face ``tokenizers`` file the ids came from (optional)
+      prepare.json          what prepare ran on and with (inputs, settings, summary): a re-run compares it
+
+An index (one per split) is a small JSON object::
+
+    {"format": "distrain.tokens", "version": 1, "split": "train", "dtype": "uint16", "vocab_size": 32000,
+     "eos_id": 0, "tokenizer": "tokenizer.json", "documents": 9120, "tokens": 41234567, "max_token_id": 31999,
+     "shards": [{"file": "train-00000.bin", "tokens": 33554432, "sha256": "9f2c..."}, ...]}
+
+``dtype`` is ``uint16`` when every id fits (vocabulary <= 65536), else ``uint32``. Documents are split into train
+and validation whole (a fixed seed picks them), each followed by the end-of-document id ``eos_id``; a shard may
+end inside a document. nanoGPT's ``train.bin``/``val.bin`` (uint16, no index) are read as one-shard splits whose
+vocabulary is their largest id + 1 and whose checksum is not known. Index and shards are written to temporary names
+and renamed when complete, shards first and the index last, so a reader never sees a split whose index names a
+half-written shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMAT, VERSION = "distrain.tokens", 1
+SPLITS = ("train", "val")
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ValueError):
+    """Data that cannot be trained on: ``where`` (a config key or a file), what is wrong with it."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        self.where, self.problem = where, problem
+        super().__init__(f"{where}: {problem}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard file of a split (``file`` relative to the dataset directory)."""
+
+    file: str
+    tokens: int
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class SplitIndex:
+    """A split's index: what its shards hold and how to read them."""
+
+    split: str
+    dtype: str
+    vocab_size: int
+    eos_id: int | None
+    tokenizer: str | None
+    documents: int | None
+    tokens: int
+    max_token_id: int
+    shards: tuple[Shard, ...]
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(DTYPES[self.dtype])
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The smallest shard dtype that holds every id below ``vocab_size``."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def sha256_of(path: Path, chunk_bytes: int = 1 << 24) -> str:
+    """The SHA-256 of a file, read in 16 MiB chunks (constant memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` through a temporary sibling renamed when complete (and flushed to disk)."""
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    partial.replace(path)
+
+
+def write_index(directory: Path, index: SplitIndex) -> None:
+    """The split's index as ``<split>.json``, atomically: written after its shards, it makes the split visible."""
+    body = {"format": FORMAT, "version": VERSION, **asdict(index), "shards": [asdict(s) for s in index.shards]}
+    write_atomically(directory / f"{index.split}.json", (json.dumps(body, indent=1) + "\n").encode())
+
+
+def is_nanogpt(directory: Path) -> bool:
+    """A nanoGPT dataset: ``train.bin`` and ``val.bin``, no index."""
+    return (directory / "train.bin").is_file() and (directory / "val.bin").is_file() and not has_index(directory)
+
+
+def has_index(directory: Path) -> bool:
+    return all((directory / f"{split}.json").is_file() for split in SPLITS)
+
+
+def read_index(directory: Path, split: str) -> SplitIndex:
+    """The index of ``split`` in ``directory`` (a prepared dataset or a nanoGPT one); DataError naming the file."""
+    if not has_index(directory) and is_nanogpt(directory):
+        return _nanogpt_index(directory, split)
+    path = directory / f"{split}.json"
+    try:
+        body = json.loads(path.read_text())
+        if body.get("format") != FORMAT or body.get("version") != VERSION:
+            raise DataError(str(path), f"not a {FORMAT} v{VERSION} index (format {body.get('format')!r})")
+        shards = tuple(Shard(**shard) for shard in body["shards"])
+        fields = {key: body[key] for key in SplitIndex.__dataclass_fields__ if key != "shards"}
+        index = SplitIndex(**fields, shards=shards)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(str(path), f"an unreadable index ({type(err).__name__}: {err})") from None
+    if index.dtype not in DTYPES:
+        raise DataError(str(path), f"dtype {index.dtype!r} is not one of {', '.join(DTYPES)}")
+    return index
+
+
+def _nanogpt_index(directory: Path, split: str) -> SplitIndex:
+    """A nanoGPT ``<split>.bin`` as a one-shard split; its largest id is read from the file (a pass in chunks)."""
+    path = directory / f"{split}.bin"
+    size = path.stat().st_size
+    if size % 2:
+        raise DataError(str(path), f"{size} bytes is not a whole number of uint16 token ids (nanoGPT's format)")
+    tokens = size // 2
+    largest = _largest_id(np.memmap(path, dtype=np.uint16, mode="r")) if tokens else 0
+    largest = max(largest, _largest_id(np.memmap(directory / f"{_other(split)}.bin", dtype=np.uint16, mode="r")))
+    shard = Shard(file=path.name, tokens=tokens, sha256=None)
+    return SplitIndex(split, "uint16", largest + 1, None, None, None, tokens, largest, (shard,))
+
+
+def _other(split: str) -> str:
+    return "val" if split == "train" else "train"
+
+
+def _largest_id(ids: np.ndarray, chunk: int = 1 << 26) -> int:
+    """The largest id in ``ids`` (a memory map), 64M ids at a time, so memory stays flat."""
+    if ids.size == 0:
+        return 0
+    return int(max(ids[start : start + chunk].max() for start in range(0, ids.size, chunk)))
+
+
+def verify_split(directory: Path, index: SplitIndex, *, checksums: bool = True) -> None:
+    """Every shard of ``index`` exists, holds a whole number of ids, as many as the index says, and (with
+    ``checksums``) has the index's SHA-256; the shards' token counts add up to the index's. DataError naming the
+    shard file otherwise."""
+    itemsize = index.numpy_dtype.itemsize
+    for shard in index.shards:
+        path = directory / shard.file
+        if not path.is_file():
+            raise DataError(str(path), f"missing (named by {index.split}.json)")
+        size = path.stat().st_size
+        if size % itemsize:
+            raise DataError(str(path), f"{size} bytes is not a whole number of {index.dtype} token ids")
+        if size // itemsize != shard.tokens:
+            raise DataError(str(path), f"holds {size // itemsize} tokens, its index says {shard.tokens}")
+        if checksums and shard.sha256 and sha256_of(path) != shard.sha256:
+            raise DataError(str(path), f"its SHA-256 differs from {index.split}.json's: the file changed")
+    if sum(shard.tokens for shard in index.shards) != index.tokens:
+        raise DataError(str(directory / f"{index.split}.json"), "its shards' token counts do not add up to tokens")

@@ -1,0 +1,150 @@
+"""``data=tokens``: train on a tokenised dataset on disk (``token_format``), memory-mapped, never loaded whole.
+
+Every rank memory-maps the shards of both splits (nothing is read until a window is asked for) and copies out only
+the windows its sampler draws. Windows are ``seq_len + 1`` tokens and never cross a shard boundary, so a split of
+shards of ``n_i`` tokens holds ``sum((n_i - 1) // seq_len)`` windows; window ``j`` of a shard starts at
+``j * seq_len``. The global window order is the existing ``GlobalBatchSampler``'s, so the ``[micro-step][rank]
+[sample]`` layout, exact resume and a change of world size work the same over any number of shards.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from distrain.data.corpus import TokenCorpus
+from distrain.data.sampler import Batch
+from distrain.data.token_format import SPLITS, DataError, SplitIndex, has_index, is_nanogpt, read_index, verify_split
+
+
+class ShardedTokens:
+    """One split's token stream: its shards memory-mapped read-only (opened on first use, in the process that
+    reads them, so a forked worker opens its own)."""
+
+    def __init__(self, directory: Path, index: SplitIndex) -> None:
+        self.directory, self.index = Path(directory), index
+        self._maps: list[np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self.index.tokens
+
+    @property
+    def shards(self) -> list[np.ndarray]:
+        if self._maps is None:
+            dtype = self.index.numpy_dtype
+            self._maps = [
+                np.memmap(self.directory / shard.file, dtype=dtype, mode="r") if shard.tokens else np.zeros(0, dtype)
+                for shard in self.index.shards
+            ]
+        return self._maps
+
+    def windows(self, seq_len: int) -> ShardedWindows:
+        """Its windows of ``seq_len + 1`` tokens (``distrain.data.sampler.token_windows`` asks for them)."""
+        return ShardedWindows(self, seq_len)
+
+    def __getstate__(self) -> dict:
+        return {"directory": self.directory, "index": self.index, "_maps": None}  # maps reopen in the new process
+
+
+class ShardedWindows:
+    """Windows of ``seq_len + 1`` tokens over the shards of a split (none crosses a shard boundary)."""
+
+    def __init__(self, tokens: ShardedTokens, seq_len: int) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+        counts = [max(0, (shard.tokens - 1) // seq_len) for shard in tokens.index.shards]
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # first window of each shard
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def batch(self, indices: torch.Tensor) -> Batch:
+        """The windows ``indices`` as a Batch of int64 (batch, seq_len) inputs and targets, copied from the maps."""
+        shard_of = np.searchsorted(self.starts, indices.numpy(), side="right") - 1
+        rows = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
+        maps = self.tokens.shards
+        for row, (window, shard) in enumerate(zip(indices.tolist(), shard_of.tolist(), strict=True)):
+            offset = (window - int(self.starts[shard])) * self.seq_len
+            rows[row] = maps[shard][offset : offset + self.seq_len + 1]
+        windows = torch.from_numpy(rows)
+        return Batch(inputs=windows[:, :-1], targets=windows[:, 1:])
+
+
+def dataset_directory(path: str | Path) -> Path:
+    """``data.path`` as a dataset directory: prepared (two indexes) or nanoGPT (train.bin and val.bin); DataError
+    naming ``data.path`` otherwise."""
+    directory = Path(str(path)).expanduser()
+    if not directory.is_dir():
+        problem = "is a file, not a dataset directory" if directory.exists() else "no such directory"
+        raise DataError(str(directory), problem)
+    if has_index(directory) or is_nanogpt(directory):
+        return directory
+    found = sorted(p.name for p in directory.iterdir())[:3]
+    raise DataError(
+        str(directory),
+        "not a prepared dataset (train.json and val.json from python -m distrain.data.prepare) nor a nanoGPT one "
+        f"(train.bin and val.bin); it holds {found or 'nothing'}",
+    )
+
+
+def token_corpus(path: str) -> TokenCorpus:
+    """The dataset at ``path`` as a corpus whose splits are memory-mapped ``ShardedTokens`` (no token is read)."""
+    directory = dataset_directory(path)
+    train, val = (read_index(directory, split) for split in SPLITS)
+    return TokenCorpus(
+        name=f"tokens:{directory.name}",
+        train=ShardedTokens(directory, train),
+        val=ShardedTokens(directory, val),
+        vocab_size=max(train.vocab_size, val.vocab_size),
+    )
+
+
+@lru_cache(maxsize=8)
+def _vocab_size(directory: str, stamp: float) -> int:
+    del stamp  # part of the cache key: a re-prepared dataset is read again
+    return max(read_index(Path(directory), split).vocab_size for split in SPLITS)
+
+
+def data_vocab_size(path: str | None) -> int | None:
+    """The vocabulary of the dataset at ``path`` (the ``${data_vocab:...}`` resolver behind ``data=tokens``'s
+    ``model.vocab_size``); None when ``path`` is not a readable dataset, which data validation then reports."""
+    try:
+        directory = dataset_directory(path)
+        return _vocab_size(str(directory.resolve()), directory.stat().st_mtime)
+    except (DataError, OSError, TypeError):
+        return None
+
+
+def tokenizer_path(path: str | Path) -> Path | None:
+    """The tokenizer file the dataset at ``path`` was made with (its train index names it), if any."""
+    directory = dataset_directory(path)
+    name = read_index(directory, "train").tokenizer
+    return directory / name if name else None
+
+
+def check_dataset(path: str, *, checksums: bool) -> None:
+    """Everything about the dataset at ``path`` that can be wrong before any rank starts, in one DataError: the
+    directory, both indexes, every shard's size (and SHA-256 with ``checksums``), and the tokenizer file."""
+    directory = dataset_directory(path)
+    for split in SPLITS:
+        index = read_index(directory, split)
+        verify_split(directory, index, checksums=checksums)
+        if index.tokens == 0:
+            raise DataError(str(directory / f"{split}.json"), f"the {split} split holds no tokens")
+    tokenizer = tokenizer_path(directory)
+    if tokenizer is not None:
+        try:
+            from tokenizers import Tokenizer
+
+            Tokenizer.from_file(str(tokenizer))
+        except Exception as err:  # tokenizers raises its own exception types for unreadable files
+            detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise DataError(str(tokenizer), f"an unreadable tokenizer ({detail})") from None
+
+
+def largest_token_id(path: str) -> int:
+    """The largest id in either split of the dataset at ``path`` (from the indexes; scanned for nanoGPT bins)."""
+    directory = dataset_directory(path)
+    return max(read_index(directory, split).max_token_id for split in SPLITS)
