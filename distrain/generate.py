@@ -1,0 +1,175 @@
+"""Sample text from a checkpoint, decoded with the tokenizer the run's data was made with.
+
+    python -m distrain.generate outputs/.../checkpoints/step_00000200 --prompt "def main(" --max-new-tokens 200
+
+Runs in one process on the CPU (or ``--device cuda``), without a process group: the checkpoint's model is rebuilt
+from its own ``config.yaml`` and its consolidated weights loaded (any strategy's format, as ``export`` reads them).
+The tokenizer is, in order: ``--tokenizer`` (a ``tokenizer.json``, a Hugging Face model directory, or ``bytes``),
+the one beside the run's dataset (``data=tokens``), the one in the Hugging Face directory the model came from
+(``model=hf`` or ``model.init_from``), or bytes when the data was byte-level (the default corpus).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from distrain.checkpoint.export import consolidated_model_state
+from distrain.config import register_configs
+
+
+class ByteTokenizer:
+    """Token id = byte value (the built-in corpora's vocabulary of 256); undecodable bytes are replaced."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A Hugging Face ``tokenizers`` file (``tokenizer.json``), decoding special tokens as text is not wanted."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def find_tokenizer(cfg: DictConfig, override: str | None) -> ByteTokenizer | FileTokenizer:
+    """The tokenizer to decode the run's ids with (see the module docstring); ValueError when there is none."""
+    if override == "bytes":
+        return ByteTokenizer()
+    candidates: list[Path] = []
+    if override:
+        candidates.append(Path(override))
+    elif cfg.data.get("path"):
+        from distrain.data.tokens import tokenizer_path
+
+        beside_data = tokenizer_path(cfg.data.path)
+        candidates += [beside_data] if beside_data else []
+    source = cfg.model.get("name_or_path") or cfg.model.get("init_from")
+    if source and not override:
+        candidates.append(Path(source))
+    for candidate in candidates:
+        file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
+        if file.is_file():
+            return FileTokenizer(file)
+    if override:
+        raise ValueError(f"--tokenizer {override}: no tokenizer.json there")
+    if not cfg.data.get("path") and cfg.model.get("vocab_size") == 256:
+        return ByteTokenizer()
+    raise ValueError("the run's data has no tokenizer beside it; give one with --tokenizer PATH (or bytes)")
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    context: int,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+) -> list[int]:
+    """``max_new_tokens`` ids after ``prompt``, each drawn from the model's next-token distribution (temperature,
+    then the ``top_k`` most likely; temperature 0: the most likely), the input cropped to the last ``context``."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -context:])[:, -1, :].float().cpu()
+        if temperature == 0:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                threshold = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < threshold, float("-inf"))
+            next_id = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+        ids = torch.cat([ids, next_id.to(device)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def load_model(checkpoint: Path, device: str) -> tuple[torch.nn.Module, DictConfig]:
+    """The checkpoint's model with its weights, in eval mode on ``device``, and the run's resolved config."""
+    config_file = checkpoint / "config.yaml"
+    if not config_file.is_file():
+        raise ValueError(f"{checkpoint} has no config.yaml (a step_* checkpoint directory is expected)")
+    cfg = OmegaConf.load(config_file)
+    model_cfg = cfg.model.copy()
+    if "init_from" in model_cfg:
+        model_cfg.init_from = None  # the checkpoint holds the weights
+    model = instantiate(model_cfg)
+    model.load_state_dict(consolidated_model_state(checkpoint))
+    return model.to(device).eval(), cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distrain.generate", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a step_* checkpoint directory")
+    parser.add_argument("--prompt", default="", help="text to continue (default: nothing)")
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely (0: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tokenizer", default=None, help="a tokenizer.json, a Hugging Face model directory, or bytes (id = byte)"
+    )
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    register_configs()
+    try:
+        if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+            raise ValueError("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
+        model, cfg = load_model(args.checkpoint, args.device)
+        tokenizer = find_tokenizer(cfg, args.tokenizer)
+        text = _generate(model, cfg, tokenizer, args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"distrain generate: {err}", file=sys.stderr)
+        return 2
+    print(args.prompt + text)
+    return 0
+
+
+def _generate(model: torch.nn.Module, cfg: DictConfig, tokenizer: Any, args: argparse.Namespace) -> str:
+    prompt = tokenizer.encode(args.prompt) if args.prompt else [_start_id(cfg)]
+    new_ids = sample(
+        model,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        context=int(cfg.data.seq_len),
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    return tokenizer.decode(new_ids)
+
+
+def _start_id(cfg: DictConfig) -> int:
+    """Without a prompt, generation starts after an end of document (a prepared dataset's EOS), else a newline."""
+    if cfg.data.get("path"):
+        from distrain.data.token_format import read_index
+        from distrain.data.tokens import dataset_directory
+
+        eos = read_index(dataset_directory(cfg.data.path), "train").eos_id
+        if eos is not None:
+            return eos
+    return ord("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Training on token shards through train.py: bit-identical losses after a resume on shards, nanoGPT bins, the
+vocabulary taken from the data, a damaged dataset refused in one line, and sampling from the checkpoint."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import REPO, run_train, write_token_dataset
+from omegaconf import OmegaConf
+
+pytestmark = pytest.mark.integration
+
+STDLIB_BYTES = np.frombuffer((REPO / "distrain" / "validate.py").read_bytes() * 8, dtype=np.uint8)
+COMMON = ["data=tokens", "logger=none", "model.n_layers=1", "data.micro_batch_size=4", "data.seq_len=64"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Byte-valued ids in three train shards and one validation shard (vocabulary 256)."""
+    cut = len(STDLIB_BYTES) * 9 // 10
+    train = np.array_split(STDLIB_BYTES[:cut], 3)
+    return write_token_dataset(tmp_path_factory.mktemp("shards"), {"train": train, "val": [STDLIB_BYTES[cut:]]})
+
+
+def losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records if "loss" in record}
+
+
+def test_resume_on_shards_is_bit_identical(shards, tmp_path):
+    args = [*COMMON, f"data.path={shards}", "trainer.max_steps=8", "trainer.log_every=1", "checkpoint.every_n_steps=4"]
+    whole = run_train([*args, f"hydra.run.dir={tmp_path / 'whole'}"], cwd=REPO)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_00000004"
+    resumed = run_train([*args, f"hydra.run.dir={tmp_path / 'resumed'}", f"checkpoint.resume={checkpoint}"], REPO)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    before, after = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
+    assert sorted(after) == [5, 6, 7, 8] and all(after[step] == before[step] for step in after), (before, after)
+
+
+def test_nanogpt_bins_train_with_the_vocabulary_of_the_data(tmp_path):
+    data = tmp_path / "nanogpt"
+    data.mkdir()
+    ids = STDLIB_BYTES.astype(np.uint16) * 3
+    ids[5] = 699  # the largest id: the model must get 700 entries
+    ids[: len(ids) * 9 // 10].tofile(data / "train.bin")
+    ids[len(ids) * 9 // 10 :].tofile(data / "val.bin")
+    args = [*COMMON, f"data.path={data}", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]
+    done = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = OmegaConf.load(tmp_path / "run" / "checkpoints" / "step_00000002" / "config.yaml")
+    assert saved.model.vocab_size == 700
+    overridden = run_train([*args, "model.vocab_size=1024", f"hydra.run.dir={tmp_path / 'run2'}"], REPO)
+    assert overridden.returncode == 0, overridden.stderr[-2000:]
+    assert OmegaConf.load(tmp_path / "run2" / "checkpoints" / "step_00000002" / "config.yaml").model.vocab_size == 1024
+
+
+def test_a_damaged_dataset_is_one_line_before_any_rank_starts(shards, tmp_path):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for file in shards.iterdir():
+        (damaged / file.name).write_bytes(file.read_bytes())
+    shard = damaged / "train-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    done = run_train([*COMMON, f"data.path={damaged}", f"hydra.run.dir={tmp_path / 'run'}"], REPO)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "data.path=" in done.stderr and "train-00001.bin: holds" in done.stderr
+
+
+def test_generate_samples_from_a_checkpoint(shards, tmp_path):
+    args = [*COMMON, f"data.path={shards}", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]
+    assert run_train([*args, f"hydra.run.dir={tmp_path}"], REPO).returncode == 0
+    generate = [sys.executable, "-m", "distrain.generate", str(tmp_path / "checkpoints" / "step_00000002")]
+    done = subprocess.run(
+        [*generate, "--prompt", "def ", "--max-new-tokens", "20", "--tokenizer", "bytes"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("def ") and len(done.stdout) > len("def ")
+    done = subprocess.run(  # the dataset has no tokenizer: one line saying how to give one
+        [*generate, "--max-new-tokens", "20"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--tokenizer PATH" in done.stderr, done.stderr
