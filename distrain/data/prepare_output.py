@@ -1,0 +1,212 @@
+"""The output side of ``python -m distrain.data.prepare`` (format: ``distrain.data.token_format``): shards written
+into a temporary directory, the dataset moved into place so that no index ever names a missing or half-written
+shard, the ``prepare.json`` record that makes a re-run a no-op, and the summary line.
+
+Runs in prepare's main process: the workers return token ids, only this process writes files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from distrain.data.token_format import (
+    SPLITS,
+    DataError,
+    Shard,
+    SplitIndex,
+    read_index,
+    verify_split,
+    write_atomically,
+    write_index,
+)
+
+TEMPORARY = ".prepare-tmp"
+RECORD = "prepare.json"
+TOKENIZER = "tokenizer.json"
+SHARD_NAME = re.compile(r"(train|val)-\d{5,}\.bin")
+COMPARED = ("version", "inputs", "settings", "tokenizer_source")  # what must match for a re-run to do nothing
+
+
+class ShardWriter:
+    """One split's shards: ids appended in order, a new file every ``shard_tokens`` ids, SHA-256 computed while
+    writing (no second read), each shard flushed to disk when closed."""
+
+    def __init__(self, directory: Path, split: str, dtype: str, shard_tokens: int) -> None:
+        self.directory, self.split, self.shard_tokens, self.dtype_name = directory, split, shard_tokens, dtype
+        # Little-endian whatever the machine, as the format says.
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.shards: list[Shard] = []
+        self.tokens = self.documents = self.max_token_id = 0
+        self._file = self._digest = None
+        self._name, self._in_shard = "", 0
+
+    def write(self, ids: np.ndarray, documents: int, max_token_id: int) -> None:
+        """Append ``ids`` (``documents`` whole documents, EOS included), splitting it where a shard fills up."""
+        self.documents += documents
+        self.max_token_id = max(self.max_token_id, max_token_id)
+        data = ids.astype(self.dtype, copy=False)
+        while data.size:
+            if self._file is None:
+                self._open()
+            room = self.shard_tokens - self._in_shard
+            piece, data = data[:room], data[room:]
+            payload = piece.tobytes()
+            self._file.write(payload)
+            self._digest.update(payload)
+            self._in_shard += piece.size
+            self.tokens += piece.size
+            if self._in_shard == self.shard_tokens:
+                self._close()
+
+    def close(self) -> tuple[Shard, ...]:
+        """Close the last shard; the shards written, in order."""
+        if self._file is not None:
+            self._close()
+        return tuple(self.shards)
+
+    def _open(self) -> None:
+        self._name = f"{self.split}-{len(self.shards):05d}.bin"
+        self._file, self._digest, self._in_shard = open(self.directory / self._name, "wb"), hashlib.sha256(), 0
+
+    def _close(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self.shards.append(Shard(file=self._name, tokens=self._in_shard, sha256=self._digest.hexdigest()))
+        self._file = self._digest = None
+
+
+def fresh_temporary(out: Path) -> Path:
+    """``out/.prepare-tmp``, emptied: what an interrupted run left there is never reused."""
+    temporary = out / TEMPORARY
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    return temporary
+
+
+def publish(out: Path, temporary: Path, indexes: dict[str, SplitIndex], record: dict) -> None:
+    """Move a finished dataset from ``temporary`` into ``out``.
+
+    The order is what makes it safe to interrupt anywhere: the old indexes (and ``prepare.json``) go first, so no
+    index names a shard while it is being replaced; then shards and tokenizer move in (renames on one file system);
+    then an earlier run's shards that the new indexes do not name are removed; ``prepare.json`` and the two
+    indexes are written last. Until then a reader finds no dataset, never a wrong one.
+    """
+    for name in (*(f"{split}.json" for split in SPLITS), RECORD):
+        (out / name).unlink(missing_ok=True)
+    named = {shard.file for index in indexes.values() for shard in index.shards}
+    for name in sorted(named) + ([TOKENIZER] if (temporary / TOKENIZER).is_file() else []):
+        move(temporary / name, out / name)
+    for stale in out.iterdir():
+        if SHARD_NAME.fullmatch(stale.name) and stale.name not in named:
+            stale.unlink()
+    _sync_directory(out)
+    write_atomically(out / RECORD, (json.dumps(record, indent=1) + "\n").encode())
+    for split in SPLITS:
+        write_index(out, indexes[split])
+    _sync_directory(out)
+    shutil.rmtree(temporary, ignore_errors=True)
+
+
+def move(source: Path, target: Path) -> None:
+    """``source`` renamed to ``target`` (a function of its own so that tests can make it fail)."""
+    os.replace(source, target)
+
+
+def _sync_directory(directory: Path) -> None:
+    # The renames themselves reach the disk only when the directory does (POSIX); Windows cannot open directories.
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def input_fingerprints(files: list[Path]) -> list[dict]:
+    """Each input file's path, size and modification time: what a re-run compares to decide there is nothing to do
+    (cheap for any corpus size; a content hash would read it all)."""
+    fingerprints = []
+    for path in files:
+        status = path.stat()
+        fingerprints.append({"path": str(path), "bytes": status.st_size, "mtime_ns": status.st_mtime_ns})
+    return fingerprints
+
+
+def up_to_date(out: Path, record: dict) -> dict | None:
+    """The summary of the dataset in ``out`` when it was prepared from the same inputs, settings and tokenizer
+    (``record``) and is complete (both indexes readable, every shard there with its size); None otherwise."""
+    try:
+        previous = json.loads((out / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(previous, dict) or any(previous.get(key) != record[key] for key in COMPARED):
+        return None
+    try:
+        for split in SPLITS:
+            # Sizes only: hashing every shard would make the no-op as slow as reading the dataset.
+            verify_split(out, read_index(out, split), checksums=False)
+    except DataError:
+        return None
+    summary = previous.get("summary")
+    return summary if isinstance(summary, dict) and (out / TOKENIZER).is_file() else None
+
+
+def summary_line(summary: dict) -> str:
+    """The one line printed at the end of a run."""
+    splits = ", ".join(
+        f"{split} {_count(part['documents'], 'document')} {_count(part['tokens'], 'token')} "
+        f"({_count(part['shards'], 'shard')})"
+        for split, part in summary["splits"].items()
+    )
+    trained = f"tokenizer training {summary['tokenizer_seconds']:.1f} s, " if summary["tokenizer_seconds"] else ""
+    return (
+        f"distrain prepare: {summary['out']}: {splits}; {summary['bytes'] / 1e6:,.1f} MB of {summary['dtype']} "
+        f"(vocabulary {summary['vocab_size']:,}) in {summary['seconds']:.1f} s ({trained}tokenising "
+        f"{summary['tokenize_seconds']:.1f} s at {summary['tokens_per_second']:,.0f} tokens/s); skipped "
+        f"{_count(summary['skipped_binary_files'], 'binary file')}, "
+        f"{_count(summary['empty_documents'], 'empty document')}"
+    )
+
+
+def build_summary(
+    out: Path, indexes: dict[str, SplitIndex], seconds: dict[str, float], binary_files: int, empty_documents: int
+) -> dict:
+    """What a run did: totals at the top, per split under ``splits``; ``tokens_per_second`` is the tokenising
+    pass's (``seconds["tokenize"]``), ``seconds`` the whole run's, ``tokenizer_seconds`` the BPE training's."""
+    tokens = sum(index.tokens for index in indexes.values())
+    summary = {
+        "out": str(out),
+        "documents": sum(index.documents for index in indexes.values()),
+        "tokens": tokens,
+        "shards": sum(len(index.shards) for index in indexes.values()),
+        "bytes": sum(index.tokens * index.numpy_dtype.itemsize for index in indexes.values()),
+        "splits": {
+            split: {"documents": index.documents, "tokens": index.tokens, "shards": len(index.shards)}
+            for split, index in indexes.items()
+        },
+        "dtype": indexes["train"].dtype,
+        "vocab_size": indexes["train"].vocab_size,
+        "eos_id": indexes["train"].eos_id,
+        "seconds": round(seconds["total"], 3),
+        "tokenizer_seconds": round(seconds["tokenizer"], 3),
+        "tokenize_seconds": round(seconds["tokenize"], 3),
+        "tokens_per_second": round(tokens / max(seconds["tokenize"], 1e-9), 1),
+        "skipped_binary_files": binary_files,
+        "empty_documents": empty_documents,
+        "up_to_date": False,
+    }
+    return {**summary, "message": summary_line(summary)}
+
+
+def _count(number: int, thing: str) -> str:
+    return f"{number:,} {thing}{'' if number == 1 else 's'}"

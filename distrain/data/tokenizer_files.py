@@ -1,0 +1,153 @@
+"""The tokenizer of ``python -m distrain.data.prepare``: a byte-level BPE trained on the train documents, or an
+existing Hugging Face ``tokenizers`` file (``tokenizer.json``, alone or in a model directory).
+
+Runs in prepare's main process (training uses the Rust library's threads); the tokenising workers rebuild the
+tokenizer from its JSON text (:func:`start_worker`) and encode with :func:`encode_batch`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from distrain.data.token_format import DataError, sha256_of
+
+DEFAULT_EOS = "<|endoftext|>"
+BYTE_ALPHABET = 256  # a byte-level BPE starts from one token per byte
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """An existing tokenizer: the file it came from, its SHA-256, and the EOS token its model directory names."""
+
+    file: Path
+    sha256: str
+    eos_token: str | None
+
+
+def resolve_tokenizer_path(path: str | Path) -> TokenizerSource:
+    """``path`` (a ``tokenizer.json`` or a local Hugging Face model directory holding one) as a source; the EOS
+    token of a directory's ``tokenizer_config.json`` when it names one. DataError naming what is missing."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataError(str(path), "no such tokenizer file or model directory (--tokenizer)")
+    eos = None
+    if path.is_dir():
+        directory, path = path, path / "tokenizer.json"
+        if not path.is_file():
+            raise DataError(str(directory), "a directory without tokenizer.json (--tokenizer wants a fast tokenizer)")
+        eos = _config_eos(directory / "tokenizer_config.json")
+    path = path.resolve()
+    try:
+        digest = sha256_of(path)
+    except OSError as err:
+        raise DataError(str(path), f"unreadable ({err.strerror or err})") from None
+    return TokenizerSource(path, digest, eos)
+
+
+def _config_eos(config: Path) -> str | None:
+    if not config.is_file():
+        return None
+    try:
+        eos = json.loads(config.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError) as err:
+        raise DataError(str(config), f"an unreadable tokenizer config ({type(err).__name__}: {err})") from None
+    # transformers writes either the token itself or an AddedToken-like {"content": ...} object.
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
+
+
+def load_tokenizer(source: TokenizerSource) -> Tokenizer:
+    """The tokenizer in ``source.file``; DataError naming the file when ``tokenizers`` cannot read it."""
+    try:
+        return Tokenizer.from_file(str(source.file))
+    except Exception as err:  # tokenizers raises a bare Exception for malformed files
+        raise DataError(str(source.file), f"not a readable tokenizer.json ({type(err).__name__}: {err})") from None
+
+
+def check_bpe_vocab_size(vocab_size: int) -> None:
+    """DataError unless a byte-level BPE of ``vocab_size`` tokens holds every byte and the EOS token."""
+    if vocab_size < BYTE_ALPHABET + 1:
+        raise DataError("--vocab-size", f"{vocab_size} is below {BYTE_ALPHABET + 1} (256 bytes + the EOS token)")
+
+
+def train_bpe(
+    batches: Iterable[list[str]], *, vocab_size: int, eos_token: str, min_frequency: int, progress: bool
+) -> Tokenizer:
+    """A byte-level BPE (ByteLevel pre-tokenizer and decoder, so ``decode(encode(text)) == text``) trained on the
+    texts of ``batches``, with ``eos_token`` as its one special token (id 0)."""
+    check_bpe_vocab_size(vocab_size)
+    tokenizer = Tokenizer(models.BPE())
+    # No prefix space: it would add a space to every document, and decoding would not give the text back.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[eos_token],
+        # Every byte in the vocabulary, seen in the corpus or not, so that any later text can be encoded.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    tokenizer.train_from_iterator(batches, trainer)
+    return tokenizer
+
+
+def eos_id_of(tokenizer: Tokenizer, eos_token: str, where: str) -> int:
+    """The id of ``eos_token``; DataError (naming ``where``, the tokenizer's file) when it is not in the vocabulary."""
+    eos_id = tokenizer.token_to_id(eos_token)
+    if eos_id is None:
+        raise DataError(where, f"the EOS token {eos_token!r} is not in its vocabulary (--eos-token)")
+    return eos_id
+
+
+def vocab_size_of(tokenizer: Tokenizer) -> int:
+    """``get_vocab_size()``, or the largest id + 1 when a tokenizer's ids have gaps above its size (which would
+    otherwise index past an embedding sized by the vocabulary, or overflow uint16)."""
+    largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), largest + 1)
+
+
+def worker_tokenizer(json_text: str) -> Tokenizer:
+    """The tokenizer a worker encodes with: the given one, except that special tokens written in a document
+    (``<|endoftext|>`` in a text about tokenizers) are encoded as the text they are, so that the EOS id marks
+    document ends only."""
+    tokenizer = Tokenizer.from_str(json_text)
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+_WORKER: dict = {}
+
+
+def start_worker(json_text: str, eos_id: int, dtype: str) -> None:
+    """Runs once in each worker process: one thread each (``--workers`` is the parallelism), the tokenizer built."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(tokenizer=worker_tokenizer(json_text), eos_id=eos_id, dtype=np.dtype(dtype))
+
+
+def encode_batch(texts: list[str], to_val: list[bool]) -> list[tuple[np.ndarray, int, int]]:
+    """Runs in a worker: per split (train, val) the batch's ids, each document followed by the EOS id, with the
+    number of documents and the largest id."""
+    encodings = _WORKER["tokenizer"].encode_batch_fast(texts, add_special_tokens=False)
+    eos_id = _WORKER["eos_id"]
+    results = []
+    for want_val in (False, True):
+        ids: list[int] = []
+        documents = 0
+        for encoding, is_val in zip(encodings, to_val, strict=True):
+            if is_val == want_val:
+                ids.extend(encoding.ids)
+                ids.append(eos_id)
+                documents += 1
+        array = np.array(ids, dtype=np.int64)
+        largest = int(array.max()) if array.size else 0
+        results.append((array.astype(_WORKER["dtype"]), documents, largest))
+    return results
