@@ -15,11 +15,12 @@ An index (one per split) is a small JSON object::
      "eos_id": 0, "tokenizer": "tokenizer.json", "documents": 9120, "tokens": 41234567, "max_token_id": 31999,
      "shards": [{"file": "train-00000.bin", "tokens": 33554432, "sha256": "9f2c..."}, ...]}
 
-``dtype`` is ``uint16`` when every id fits (vocabulary <= 65536), else ``uint32``. Documents are split into train
-and validation whole (a fixed seed picks them), each followed by the end-of-document id ``eos_id``; a shard may
-end inside a document. nanoGPT's ``train.bin``/``val.bin`` (uint16, no index) are read as one-shard splits whose
-vocabulary is their largest id + 1 and whose checksum is not known. Index and shards are written to temporary names
-and renamed when complete, shards first and the index last, so a reader never sees a split whose index names a
+``dtype`` is ``uint16`` when every id fits (vocabulary <= 65536), else ``uint32``; a shard is flat ids, so any tool
+can memory-map it (``np.memmap(path, dtype)``), while distrain's reader uses positioned reads. Documents are split
+into train and validation whole (a fixed seed picks them), each followed by the end-of-document id ``eos_id``; a
+shard may end inside a document. nanoGPT's ``train.bin``/``val.bin`` (uint16, no index) are read as one-shard splits
+whose vocabulary is their largest id + 1 and whose checksum is not known. Index and shards are written to temporary
+names and renamed when complete, shards first and the index last, so a reader never sees a split whose index names a
 half-written shard.
 """
 
@@ -141,8 +142,7 @@ def _nanogpt_index(directory: Path, split: str) -> SplitIndex:
     if size % 2:
         raise DataError(str(path), f"{size} bytes is not a whole number of uint16 token ids (nanoGPT's format)")
     tokens = size // 2
-    largest = _largest_id(np.memmap(path, dtype=np.uint16, mode="r")) if tokens else 0
-    largest = max(largest, _largest_id(np.memmap(directory / f"{_other(split)}.bin", dtype=np.uint16, mode="r")))
+    largest = max(_largest_id(path), _largest_id(directory / f"{_other(split)}.bin"))
     shard = Shard(file=path.name, tokens=tokens, sha256=None)
     return SplitIndex(split, "uint16", largest + 1, None, None, None, tokens, largest, (shard,))
 
@@ -151,11 +151,14 @@ def _other(split: str) -> str:
     return "val" if split == "train" else "train"
 
 
-def _largest_id(ids: np.ndarray, chunk: int = 1 << 26) -> int:
-    """The largest id in ``ids`` (a memory map), 64M ids at a time, so memory stays flat."""
-    if ids.size == 0:
-        return 0
-    return int(max(ids[start : start + chunk].max() for start in range(0, ids.size, chunk)))
+def _largest_id(path: Path, chunk: int = 1 << 24) -> int:
+    """The largest uint16 id in the file at ``path``, read 16M ids at a time into one reused buffer, so neither
+    the process's memory nor its resident set grows with the file (a memory map's touched pages would stay in it)."""
+    largest = 0
+    with open(path, "rb") as file:
+        while (ids := np.fromfile(file, dtype=np.uint16, count=chunk)).size:
+            largest = max(largest, int(ids.max()))
+    return largest
 
 
 def verify_split(directory: Path, index: SplitIndex, *, checksums: bool = True) -> None:
