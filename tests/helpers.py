@@ -66,9 +66,9 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = 256) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(path)
 
 
-def save_tiny_hf_llama(path: Path) -> Path:
-    """A tiny random ``LlamaForCausalLM`` saved in ``path`` with ``save_pretrained`` (config.json, safetensors),
-    with a tokenizer beside it, as a published model directory has."""
+def save_tiny_hf_llama(path: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A tiny random ``LlamaForCausalLM`` saved in ``path`` with ``save_pretrained`` (config.json, safetensors) in
+    ``dtype``, with a tokenizer beside it, as a published model directory has."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -76,7 +76,7 @@ def save_tiny_hf_llama(path: Path) -> Path:
         vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(path)
+    LlamaForCausalLM(config).to(dtype).save_pretrained(path)
     save_tiny_tokenizer(path)
     return path
 

@@ -87,6 +87,26 @@ def consolidated_model_state(path: Path) -> dict[str, torch.Tensor]:
     return _dcp_model_state(path)
 
 
+def output_problem(out: Path, hf: bool, overwrite: bool) -> str | None:
+    """Why ``out`` must not be written (None: it may). Nothing is replaced without ``overwrite``, and even then only
+    what an earlier export wrote: a file for the torch format, a directory of config.json and safetensors for hf."""
+    if not out.exists():
+        return None
+    if hf and not out.is_dir():
+        return f"{out} is a file; --format hf writes a directory"
+    if not hf and out.is_dir():
+        return f"{out} is a directory; the torch format writes one file"
+    if hf and not any(out.iterdir()):
+        return None
+    if not overwrite:
+        return f"{out} exists; pass --overwrite to replace it"
+    names = {child.name for child in out.iterdir()} if hf else set()
+    earlier_export = {"config.json", "model.safetensors"} <= names and not any(c.is_dir() for c in out.iterdir())
+    if hf and not earlier_export:
+        return f"{out} is not an earlier --format hf export (config.json, model.safetensors): not replaced"
+    return None
+
+
 def export_checkpoint(path: Path, out: Path) -> dict[str, int]:
     """Write the consolidated model state of ``path`` to ``out`` atomically; returns tensor and byte counts."""
     state = consolidated_model_state(path)
@@ -102,11 +122,19 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
     atomically (a sibling ``.tmp`` directory renamed when complete); returns tensor and byte counts."""
     from safetensors.torch import save_file
 
+    problem = output_problem(out, hf=True, overwrite=True)  # never deletes what an export did not write
+    if problem:
+        raise ValueError(problem)
     config_file = path / "config.yaml"
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such checkpoint directory")
     if not config_file.is_file():
-        raise ValueError(f"{path} has no config.yaml naming its model")
+        raise ValueError(f"{path} has no config.yaml naming its model (a step_* checkpoint directory is expected)")
     model_cfg = OmegaConf.load(config_file).model
     tokenizer = tokenizer_files(model_cfg)
+    source = model_cfg.get("name_or_path")
+    if source and not Path(source).is_dir():  # model=hf: its config.json describes the model, weights aside
+        raise ValueError(f"model.name_or_path={source}, the Hugging Face directory this run trained from, is gone")
     if "init_from" in model_cfg:
         model_cfg.init_from = None  # the checkpoint holds the weights
     try:
@@ -121,6 +149,7 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
             f"{spec.label} has no Hugging Face counterpart (ModelSpec.to_hf, hf_config); use the default format"
         )
     hf_config = spec.hf_config(model)
+    hf_config.dtype = torch.float32  # the weights written; a source saved in bf16 would otherwise load as bf16
     state = spec.to_hf(consolidated_model_state(path))
     if getattr(hf_config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # transformers ties it to the embedding; safetensors stores no shared tensors
@@ -148,11 +177,19 @@ def tokenizer_files(model_cfg: DictConfig) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distrain.checkpoint.export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m distrain.checkpoint.export",
+        description="Consolidate a checkpoint of any strategy into one torch file or a Hugging Face directory.",
+    )
     parser.add_argument("checkpoint", type=Path, help="a step_* checkpoint directory")
     parser.add_argument("out", type=Path, help="output file (torch format) or directory (hf format)")
     parser.add_argument("--format", choices=("torch", "hf"), default="torch", help="torch.save file or HF directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT when an earlier export wrote it")
     args = parser.parse_args(argv)
+    problem = output_problem(args.out, args.format == "hf", args.overwrite)
+    if problem:
+        print(f"distrain export: {problem}", file=sys.stderr)
+        return 2
     try:
         export = export_hf if args.format == "hf" else export_checkpoint
         counts = export(args.checkpoint, args.out)

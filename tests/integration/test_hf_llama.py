@@ -148,3 +148,30 @@ def test_export_of_gpt_is_gpt2_and_of_a_family_without_a_counterpart_is_one_line
     tokens = torch.randint(0, 256, (2, 32))
     with torch.no_grad():
         assert (ours(tokens) - loaded(tokens).logits).abs().max() < 1e-4
+
+
+def save_tiny(path, architecture, **overrides):
+    """A tiny random transformers model of ``architecture`` (LlamaForCausalLM, MistralForCausalLM) of HF_SIZES."""
+    import transformers
+
+    torch.manual_seed(0)
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    getattr(transformers, architecture)(config_class(**HF_SIZES, **overrides)).save_pretrained(path)
+    return path
+
+
+def test_tied_weights_start_an_untied_model_that_pipelines(tmp_path):
+    """Llama 3.2 1B ties its head to its embedding; model.tie_embeddings=false starts both from the one tensor."""
+    tied = save_tiny(tmp_path / "tied", "LlamaForCausalLM", tie_word_embeddings=True)
+    args = [*OVERRIDES, f"model.init_from={tied}", "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    done = run_train([*args, "model.tie_embeddings=false", "parallelism=pipeline"], cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    refused = run_train([*args, "model.tie_embeddings=true", "parallelism=pipeline"], cwd=REPO)
+    assert refused.returncode == 2 and "set it false" in refused.stderr, refused.stderr
+
+
+def test_init_from_another_architecture_is_one_line(tmp_path):
+    mistral = save_tiny(tmp_path / "mistral", "MistralForCausalLM")
+    done = run_train([*OVERRIDES, f"model.init_from={mistral}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "model.init_from" in done.stderr and "this one is 'mistral'" in done.stderr

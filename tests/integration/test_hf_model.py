@@ -22,7 +22,8 @@ FAST = ["data.corpus.max_bytes=200000", "logger=none", "checkpoint=none"]
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    return save_tiny_hf_llama(tmp_path_factory.mktemp("hf_tiny"))
+    # Saved in bf16, as most published models are: distrain trains in fp32 and must export fp32 that loads as fp32.
+    return save_tiny_hf_llama(tmp_path_factory.mktemp("hf_tiny"), dtype=torch.bfloat16)
 
 
 def test_check_model_passes_the_data_tensor_and_pipeline_parallel_layouts(hf_dir):
@@ -54,6 +55,7 @@ def test_trains_with_activation_checkpointing_and_compile_and_exports_what_trans
     exported = subprocess.run(export, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert exported.returncode == 0, exported.stderr
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert loaded.dtype == torch.float32
     ours = instantiate(OmegaConf.load(checkpoint / "config.yaml").model).eval()  # the HF directory's weights
     start = {name: tensor.clone() for name, tensor in ours.state_dict().items()}
     ours.load_state_dict(consolidated_model_state(checkpoint))
@@ -74,6 +76,9 @@ def test_trains_with_activation_checkpointing_and_compile_and_exports_what_trans
         ("EMPTY", "(no config.json in it)"),
         ("NOT_CAUSAL", "a causal LM; model_type 'resnet' is not one"),
         ("NO_WEIGHTS", "weights as *.safetensors"),
+        ("ENCODER", "'bert' attends both ways (an encoder) unless config.json sets is_decoder"),
+        ("RESIZED", "weights that fit its config.json: model.layers.0.mlp.gate_proj.weight is [160, 64] there"),
+        ("TRUNCATED", "readable *.safetensors weights"),
     ],
 )
 def test_bad_directories_are_refused_in_one_line(hf_dir, tmp_path, path, words):
@@ -84,6 +89,18 @@ def test_bad_directories_are_refused_in_one_line(hf_dir, tmp_path, path, words):
         path = tmp_path
     elif path == "NO_WEIGHTS":
         (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
+        path = tmp_path
+    elif path == "ENCODER":  # BERT is listed as a causal LM, but attends both ways unless is_decoder is set
+        from transformers import BertConfig
+
+        BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+        path = tmp_path
+    elif path in ("RESIZED", "TRUNCATED"):
+        config = json.loads((hf_dir / "config.json").read_text())
+        config["intermediate_size"] = 128 if path == "RESIZED" else config["intermediate_size"]
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        weights = (hf_dir / "model.safetensors").read_bytes()
+        (tmp_path / "model.safetensors").write_bytes(weights if path == "RESIZED" else weights[:5])
         path = tmp_path
     done = run_train([*FAST, "model=hf", f"model.name_or_path={path}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr

@@ -26,6 +26,8 @@ def _config(arch: str):
         return LlamaConfig(**SIZES)
     if arch == "llama_tied":
         return LlamaConfig(**SIZES, tie_word_embeddings=True)
+    if arch == "llama_window_key":  # a sliding_window key Llama's forward ignores: the mask must stay full
+        return LlamaConfig(**SIZES, sliding_window=5)
     if arch == "mistral":  # a window shorter than the sequence: the mask does the work
         return MistralConfig(**SIZES, sliding_window=5)
     if arch == "qwen2":  # full attention in layer 0, sliding windows above (layer_types)
@@ -62,7 +64,7 @@ TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "llama_window_key", "mistral", "qwen2"])
 def test_pieces_compute_the_transformers_models_own_logits(saved, arch, attn):
     ours, theirs = _pair(saved(arch), attn)
     assert ours.split and "hf" not in ours._modules

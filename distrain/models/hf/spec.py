@@ -62,19 +62,64 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError("model.name_or_path", str(path), f"a readable config.json ({detail})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError("model.name_or_path", str(path), f"a causal LM; model_type {config.model_type!r} is not one")
-    if not cfg.model.random_init and not list(path.glob("*.safetensors")):
+    if config.model_type in bidirectional_types() and not getattr(config, "is_decoder", False):
+        raise ConfigError(
+            "model.name_or_path",
+            str(path),
+            f"a causal LM; {config.model_type!r} attends both ways (an encoder) unless config.json sets is_decoder",
+        )
+    if not cfg.model.random_init:
+        check_weights(path, config)
+
+
+def bidirectional_types() -> set[str]:
+    """Model types transformers lists as causal LMs whose attention is bidirectional unless ``is_decoder`` is set
+    (encoders with a language-model head); BART-like ``ForCausalLM`` classes run the causal decoder alone."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    return (set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) & set(MODEL_FOR_MASKED_LM_MAPPING_NAMES)) - {"bart", "mbart", "mvp"}
+
+
+def check_weights(path: Path, config: object) -> None:
+    """The directory's safetensors are readable and every tensor in them that the model built from config.json has
+    is of that shape (read from the headers; the model is built on the meta device): a mismatch would otherwise be a
+    traceback from transformers on every rank."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from distrain.models.hf_weights import hf_shapes
+
+    if not list(path.glob("*.safetensors")):
         raise ConfigError(
             "model.name_or_path", str(path), "weights as *.safetensors (or model.random_init=true: config.json only)"
         )
+    try:
+        shapes = hf_shapes(path)
+    except Exception as err:  # safetensors raises its own error types for a damaged header
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError("model.name_or_path", str(path), f"readable *.safetensors weights ({detail})") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for name, tensor in model.state_dict().items():
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            raise ConfigError(
+                "model.name_or_path",
+                str(path),
+                f"weights that fit its config.json: {name} is {list(shapes[name])} there, {list(tensor.shape)} by it",
+            )
 
 
 def attention_kinds(config: object) -> tuple[str, ...]:
     """Each decoder layer's attention kind, as the architecture's own forward picks its mask: ``layer_types``
-    (Qwen2, Qwen3), else sliding everywhere when ``sliding_window`` is set (Mistral), else full (Llama)."""
+    (Qwen2, Qwen3), sliding everywhere when ``sliding_window`` is set (Mistral), else full (Llama, whose forward
+    ignores a ``sliding_window`` key its config.json may carry)."""
     kinds = getattr(config, "layer_types", None)
-    if kinds:
+    if kinds and config.model_type in ("qwen2", "qwen3"):
         return tuple(kinds)
-    sliding = getattr(config, "sliding_window", None) is not None
+    sliding = config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
     return ("sliding_attention" if sliding else "full_attention",) * config.num_hidden_layers
 
 

@@ -94,6 +94,8 @@ def hf_config(model: Llama) -> LlamaConfig:
 
 def from_hf_config(config: LlamaConfig) -> dict[str, Any]:
     """``Llama`` constructor kwargs for a ``LlamaConfig``; raises ValueError for what the model does not implement."""
+    if config.model_type != "llama":
+        raise ValueError(f"a Llama config.json (model_type 'llama'); this one is {config.model_type!r}")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     unsupported = config.hidden_act != "silu" or config.attention_bias or config.mlp_bias
     if unsupported or head_dim * config.num_attention_heads != config.hidden_size:

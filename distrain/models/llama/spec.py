@@ -108,6 +108,8 @@ def check_same_architecture(cfg: DictConfig, path: Path) -> None:
         ours = cfg.model.get(key)
         ours = (dict(ours) or None) if key == "rope_scaling" and ours is not None else ours
         ours = cfg.model.n_heads if key == "n_kv_heads" and ours is None else ours  # None: as many as query heads
+        if key == "tie_embeddings" and theirs[key] and not ours:
+            continue  # untying is exact at the start (the head starts as a copy of the embedding): pipelines need it
         if ours != theirs[key] and not (isinstance(ours, float) and abs(ours - theirs[key]) <= 1e-12 * abs(ours)):
             raise ConfigError(f"model.{key}", ours, f"{theirs[key]}, as in {path / 'config.json'} (model.init_from)")
 
