@@ -1,10 +1,12 @@
 """Every option of every config group composes, validates and builds; typos and wrong types are refused."""
 
 from functools import partial
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import CONF_DIR, FAST, compose_config, save_tiny_hf_llama
+from helpers import CONF_DIR, FAST, compose_config, save_tiny_hf_llama, write_token_dataset
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ValidationError
@@ -26,6 +28,10 @@ def test_every_option_composes_validates_and_instantiates(group, option, tmp_pat
         fast = [o.replace("max_bytes", "num_tokens") for o in fast]
     if group == "model" and option == "hf":  # a local Hugging Face directory, saved in the test
         fast.append(f"model.name_or_path={save_tiny_hf_llama(tmp_path)}")
+    if option == "tokens":  # a dataset on disk, written in the test (bytes of this file as ids)
+        ids = np.frombuffer(Path(__file__).read_bytes() * 4, dtype=np.uint8)
+        fast = [o for o in fast if "max_bytes" not in o]
+        fast.append(f"data.path={write_token_dataset(tmp_path / 'tokens', {'train': [ids], 'val': [ids[:2000]]})}")
     cfg = compose_config([*fast, f"{group}={option}"])
     plan = validate(cfg)
     assert plan.nproc_per_node >= 1

@@ -71,6 +71,10 @@ KEYS = {
     "data.corpus.num_tokens": (check("data=synthetic", "data.corpus.num_tokens=0"), ">= 1"),
     "data.corpus.vocab_size": (check("data=synthetic", "data.corpus.vocab_size=1000"), "2..model.vocab_size (256)"),
     "data.corpus.seed": free("any integer seeds the synthetic tokens"),
+    "data.path": (check("data=tokens", "data.path=/no/such/dataset"), "a readable dataset: /no/such/dataset: no such"),
+    "data.corpus.path": free("an interpolation of data.path (checked there)"),
+    "data.verify_checksums": BOOL,
+    "data.prefetch": BOOL,
     "parallelism.name": free("set by each option's file; names the strategy in summaries"),
     "parallelism.find_unused_parameters": BOOL,
     "parallelism.stage": (check("parallelism=fsdp", "parallelism.stage=1"), "takes stage 2 or 3"),
@@ -227,7 +231,7 @@ CHECKED = sorted((key, how, allowed) for key, ((how, _), allowed) in KEYS.items(
 def test_a_wrong_value_is_refused_naming_the_key_and_what_is_allowed(key, how, allowed):
     extra = KEYS[key][0][1]
     # The synthetic corpus has no max_bytes (FAST's stdlib setting).
-    base = [o for o in FAST if not ("data=synthetic" in extra and o.startswith("data.corpus."))]
+    base = [o for o in FAST if not (extra[0] in ("data=synthetic", "data=tokens") and o.startswith("data.corpus."))]
     base = [o for o in base if not ("model=hf" in extra and o.startswith("model."))]  # hf has none of their keys
     overrides = [*base, *extra]
     if how == "compose":

@@ -1,0 +1,61 @@
+"""The ``data`` group's schemas (``conf/data/*.yaml`` extend them): the built-in corpora and token shards on disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+
+@dataclass(kw_only=True)
+class StdlibCorpusConfig:
+    """Bytes of the Python standard library's own source files: real text on every machine, no download."""
+
+    _target_: str = "distrain.data.corpus.stdlib_source_corpus"
+    max_bytes: int = 4_000_000
+    val_fraction: float = 0.05
+
+
+@dataclass(kw_only=True)
+class SyntheticCorpusConfig:
+    """Uniformly random tokens, for benchmarks where the data must cost nothing."""
+
+    _target_: str = "distrain.data.corpus.synthetic_corpus"
+    num_tokens: int = 2_000_000
+    vocab_size: int = 256
+    seed: int = 1234
+    val_fraction: float = 0.05
+
+
+@dataclass(kw_only=True)
+class StdlibDataConfig:
+    micro_batch_size: int = 8  # sequences per rank per micro-step
+    seq_len: int = 128  # tokens per sequence (at most model.max_seq_len)
+    corpus: StdlibCorpusConfig = field(default_factory=StdlibCorpusConfig)
+
+
+@dataclass(kw_only=True)
+class SyntheticDataConfig:
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    corpus: SyntheticCorpusConfig = field(default_factory=SyntheticCorpusConfig)
+
+
+@dataclass(kw_only=True)
+class TokensCorpusConfig:
+    """The splits of a tokenised dataset directory, memory-mapped (``distrain/data/token_format.py``)."""
+
+    _target_: str = "distrain.data.tokens.token_corpus"
+    path: str = "${data.path}"
+
+
+@dataclass(kw_only=True)
+class TokensDataConfig:
+    """A tokenised dataset on disk: ``python -m distrain.data.prepare``'s output, or nanoGPT's train.bin/val.bin."""
+
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    path: str = MISSING  # the dataset directory
+    verify_checksums: bool = True  # SHA-256 of every shard against its index before any rank starts
+    prefetch: bool = True  # the next step's batches read by a background thread during this step
+    corpus: TokensCorpusConfig = field(default_factory=TokensCorpusConfig)
