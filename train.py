@@ -62,7 +62,7 @@ from distrain.parallelism.memory import optimizer_state_bytes_per_param, predict
 from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.preemption import REQUEUE_EXIT_CODE, StopRequest
 from distrain.seeding import seed_everything
-from distrain.validate import ConfigError, LaunchPlan, validate
+from distrain.validate import ConfigError, LaunchPlan, absolute_paths, validate
 
 register_configs()
 # conf/hydra/launcher/submitit_slurm.yaml gives the plugin's launcher our defaults and is checked against its schema
@@ -253,6 +253,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         summary["nodes"] = sorted(set(nodes))
         run.reporter.finish(summary)
+        run.data.close()  # the prefetching reader's thread
         del run  # release DDP's reducer, which holds the process group, before leaving the group
         completed = True
         return summary
@@ -296,6 +297,7 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as err:
         refuse(err)
     run_dir = hydra_cfg.runtime.output_dir
+    absolute_paths(cfg)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_dict["distributed"]["device"] = plan.device_type
     checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")

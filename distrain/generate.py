@@ -40,7 +40,11 @@ class FileTokenizer:
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises its own exception types for unreadable files
+            detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ValueError(f"{path}: an unreadable tokenizer ({detail})") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -52,6 +56,8 @@ class FileTokenizer:
 def find_tokenizer(cfg: DictConfig, override: str | None) -> ByteTokenizer | FileTokenizer:
     """The tokenizer to decode the run's ids with (see the module docstring); ValueError when there is none."""
     if override == "bytes":
+        if cfg.model.get("vocab_size") and cfg.model.vocab_size > 256:
+            raise ValueError(f"--tokenizer bytes decodes ids 0..255; this model has {cfg.model.vocab_size}")
         return ByteTokenizer()
     candidates: list[Path] = []
     if override:
@@ -109,7 +115,10 @@ def load_model(checkpoint: Path, device: str) -> tuple[torch.nn.Module, DictConf
     config_file = checkpoint / "config.yaml"
     if not config_file.is_file():
         raise ValueError(f"{checkpoint} has no config.yaml (a step_* checkpoint directory is expected)")
-    cfg = OmegaConf.load(config_file)
+    try:
+        cfg = OmegaConf.load(config_file)
+    except Exception as err:  # a damaged file: YAML's own error types
+        raise ValueError(f"{config_file}: unreadable ({type(err).__name__})") from None
     model_cfg = cfg.model.copy()
     if "init_from" in model_cfg:
         model_cfg.init_from = None  # the checkpoint holds the weights

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.config_checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.data.corpus import CorpusTooSmall
-from distrain.data.sampler import GlobalBatchSampler, token_windows
+from distrain.data.sampler import GlobalBatchSampler, longest_window, token_windows
 from distrain.data.token_format import DataError
 from distrain.data.tokens import check_dataset
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
@@ -202,7 +202,11 @@ def _validate_model_and_data(cfg: DictConfig) -> None:
         family.check_config(cfg)  # the family's own keys (heads, widths, ...), next to its model
     largest_token = largest_token_id(cfg.data.corpus)
     if vocab_size and largest_token >= vocab_size:
-        raise ConfigError("model.vocab_size", vocab_size, f"more than the data's largest token id ({largest_token})")
+        raise ConfigError(
+            "model.vocab_size",
+            vocab_size,
+            f"at least {largest_token + 1}, more than the data's largest token id ({largest_token})",
+        )
     meta_model(cfg, strict=False)  # the constructor's own refusals (bad sizes, unknown keys), before any rank
 
 
@@ -235,6 +239,18 @@ def largest_token_id(corpus: DictConfig) -> int:
     if "path" in corpus:
         return dataset_largest_token_id(corpus.path)
     return corpus.vocab_size - 1 if "vocab_size" in corpus else 255  # the stdlib corpus is bytes
+
+
+PATH_KEYS = ("data.path", "model.name_or_path", "model.init_from")
+
+
+def absolute_paths(cfg: DictConfig) -> None:
+    """Make the relative paths of ``PATH_KEYS`` absolute (from this process's directory), in place: the run's saved
+    config (each checkpoint's config.yaml) then names the same files wherever ``export`` or ``generate`` runs."""
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            OmegaConf.update(cfg, key, str(Path(value).expanduser().resolve()), merge=False)
 
 
 def _validate_dataset(cfg: DictConfig) -> None:
@@ -279,7 +295,9 @@ def validate_data_fits(cfg: DictConfig, world_size: int) -> GlobalBatchSampler:
     train_windows = len(token_windows(corpus.train, cfg.data.seq_len))
     if train_windows < 1:
         raise ConfigError(
-            "data.seq_len", cfg.data.seq_len, "shorter: the train split holds no window of data.seq_len + 1 tokens"
+            "data.seq_len",
+            cfg.data.seq_len,
+            f"at most {longest_window(corpus.train)}, the train split's longest run of tokens",
         )
     try:
         sampler = GlobalBatchSampler(
@@ -296,6 +314,8 @@ def validate_data_fits(cfg: DictConfig, world_size: int) -> GlobalBatchSampler:
         ) from None
     if len(token_windows(corpus.val, cfg.data.seq_len)) < 1:
         raise ConfigError(
-            "data.seq_len", cfg.data.seq_len, f"at most {len(corpus.val) - 1}, the validation split's length in tokens"
+            "data.seq_len",
+            cfg.data.seq_len,
+            f"at most {longest_window(corpus.val)}, the validation split's longest run of tokens",
         )
     return sampler

@@ -43,7 +43,7 @@ class SyntheticDataConfig:
 
 @dataclass(kw_only=True)
 class TokensCorpusConfig:
-    """The splits of a tokenised dataset directory, memory-mapped (``distrain/data/token_format.py``)."""
+    """The splits of a tokenised dataset directory, read window by window (``distrain/data/token_format.py``)."""
 
     _target_: str = "distrain.data.tokens.token_corpus"
     path: str = "${data.path}"

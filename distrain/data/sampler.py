@@ -60,6 +60,11 @@ def token_windows(stream: Any, seq_len: int) -> Windows:
     return stream.windows(seq_len) if hasattr(stream, "windows") else TokenWindows(stream, seq_len)
 
 
+def longest_window(stream: Any) -> int:
+    """The longest ``seq_len`` a split's windows can have: its longest run of tokens (a shard, on disk) less one."""
+    return stream.longest_run() - 1 if hasattr(stream, "longest_run") else len(stream) - 1
+
+
 class GlobalBatchSampler:
     """Yields this rank's micro-batch indices for each optimizer step; its position can be saved and restored.
 
@@ -154,6 +159,7 @@ class TrainBatches:
 
     def next_step(self) -> list[Batch]:
         pending, state = self._pending or self._request_next()
+        self._pending = None  # a read that failed is not handed out again: a retry reads afresh
         batches = pending.result() if isinstance(pending, Future) else pending
         self._returned_state = state
         self._pending = self._request_next() if self._reader is not None else None
@@ -164,7 +170,9 @@ class TrainBatches:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._pending is not None and isinstance(self._pending[0], Future):
-            self._pending[0].result()  # let the read in flight finish before its sampler position is dropped
+            # Let the read in flight finish before its sampler position is dropped; its error, if any, concerns a
+            # step that will be read again from the restored position.
+            self._pending[0].exception()
         self._pending, self._returned_state = None, None
         self.sampler.load_state_dict(state)
 

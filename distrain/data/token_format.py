@@ -4,7 +4,7 @@ A dataset is one directory::
 
     DATA_DIR/
       train.json            the train split's index
-      train-00000.bin ...   its shards: raw little-endian token ids, nothing else (np.memmap reads them)
+      train-00000.bin ...   its shards: raw little-endian token ids, nothing else
       val.json, val-00000.bin ...
       tokenizer.json        the Hugging Face ``tokenizers`` file the ids came from (optional)
       prepare.json          what prepare ran on and with (inputs, settings, summary): a re-run compares it
@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -136,19 +137,23 @@ def read_index(directory: Path, split: str) -> SplitIndex:
 
 
 def _nanogpt_index(directory: Path, split: str) -> SplitIndex:
-    """A nanoGPT ``<split>.bin`` as a one-shard split; its largest id is read from the file (a pass in chunks)."""
+    """A nanoGPT ``<split>.bin`` as a one-shard split (its vocabulary: the largest id of both bins + 1)."""
     path = directory / f"{split}.bin"
     size = path.stat().st_size
     if size % 2:
         raise DataError(str(path), f"{size} bytes is not a whole number of uint16 token ids (nanoGPT's format)")
-    tokens = size // 2
-    largest = max(_largest_id(path), _largest_id(directory / f"{_other(split)}.bin"))
-    shard = Shard(file=path.name, tokens=tokens, sha256=None)
-    return SplitIndex(split, "uint16", largest + 1, None, None, None, tokens, largest, (shard,))
+    bins = [directory / f"{name}.bin" for name in SPLITS]
+    largest = _largest_of(tuple(str(b) for b in bins), tuple((b.stat().st_size, b.stat().st_mtime_ns) for b in bins))
+    shard = Shard(file=path.name, tokens=size // 2, sha256=None)
+    return SplitIndex(split, "uint16", largest + 1, None, None, None, size // 2, largest, (shard,))
 
 
-def _other(split: str) -> str:
-    return "val" if split == "train" else "train"
+@lru_cache(maxsize=8)
+def _largest_of(paths: tuple[str, ...], stamps: tuple[tuple[int, int], ...]) -> int:
+    """The largest id in the files ``paths``, scanned once per version of them (``stamps``: size, mtime): every
+    split's index and every check asks, and a scan of an 18 GB bin takes minutes from a cold disk."""
+    del stamps  # part of the cache key only
+    return max(_largest_id(Path(path)) for path in paths)
 
 
 def _largest_id(path: Path, chunk: int = 1 << 24) -> int:

@@ -38,10 +38,22 @@ class ShardedTokens:
     def __len__(self) -> int:
         return self.index.tokens
 
+    def longest_run(self) -> int:
+        """Tokens in the largest shard: no window is longer (windows never cross a shard)."""
+        return max(shard.tokens for shard in self.index.shards)
+
     def read(self, shard: int, start: int, count: int) -> np.ndarray:
         """``count`` ids of shard ``shard`` from id ``start`` on, as a new array of the index's dtype."""
         if self._files is None:
-            self._files = [os.open(self.directory / shard.file, os.O_RDONLY) for shard in self.index.shards]
+            files: list[int] = []
+            try:
+                for entry in self.index.shards:
+                    files.append(os.open(self.directory / entry.file, os.O_RDONLY))
+            except OSError:
+                for descriptor in files:
+                    os.close(descriptor)
+                raise
+            self._files = files
         data = os.pread(self._files[shard], count * self.itemsize, start * self.itemsize)
         if len(data) != count * self.itemsize:
             raise DataError(str(self.directory / self.index.shards[shard].file), "shorter than its index says")
@@ -77,6 +89,8 @@ class ShardedWindows:
         for row, (window, shard) in enumerate(zip(indices.tolist(), shard_of.tolist(), strict=True)):
             offset = (window - int(self.starts[shard])) * self.seq_len
             rows[row] = self.tokens.read(shard, offset, self.seq_len + 1)
+        if rows.size and rows.max() >= self.tokens.index.vocab_size:  # an index that understates its ids
+            raise DataError(str(self.tokens.directory), f"holds id {rows.max()}, not below its vocab_size")
         windows = torch.from_numpy(rows)
         return Batch(inputs=windows[:, :-1], targets=windows[:, 1:])
 
@@ -99,7 +113,7 @@ def dataset_directory(path: str | Path) -> Path:
 
 
 def token_corpus(path: str) -> TokenCorpus:
-    """The dataset at ``path`` as a corpus whose splits are memory-mapped ``ShardedTokens`` (no token is read)."""
+    """The dataset at ``path`` as a corpus whose splits are ``ShardedTokens`` (no token is read here)."""
     directory = dataset_directory(path)
     train, val = (read_index(directory, split) for split in SPLITS)
     return TokenCorpus(
@@ -141,7 +155,8 @@ def check_dataset(path: str, *, checksums: bool) -> None:
         index = read_index(directory, split)
         verify_split(directory, index, checksums=checksums)
         if index.tokens == 0:
-            raise DataError(str(directory / f"{split}.json"), f"the {split} split holds no tokens")
+            holder = f"{split}.json" if has_index(directory) else f"{split}.bin"
+            raise DataError(str(directory / holder), f"the {split} split holds no tokens")
     tokenizer = tokenizer_path(directory)
     if tokenizer is not None:
         try:

@@ -34,4 +34,6 @@ def test_the_readme_data_block_runs_as_written(tmp_path):
     assert losses[-1] < losses[0] - 1.0, losses  # it learned from the data
     saved = (run / "checkpoints" / "step_00000100" / "config.yaml").read_text()
     assert "vocab_size: 4096" in saved  # the model's vocabulary came from the data
-    assert any(line.startswith("import ") for line in done.stdout.splitlines()), done.stdout  # generate's output
+    sampled = done.stdout.split("import ", 1)  # prepare's summary line, then generate's prompt and continuation
+    assert len(sampled) == 2 and len(sampled[1].strip()) >= 20, done.stdout
+    assert str(tmp_path / "data" / "stdlib_bpe") in saved  # saved absolute: export and generate run from anywhere

@@ -24,7 +24,8 @@ class HFCausalLM(nn.Module):
         max_seq_len: the longest sequence trained on (the default ``data.seq_len``).
         random_init: build from ``config.json`` with Hugging Face's initialisation instead of loading the weights.
         attn_implementation: transformers' attention kernel (``sdpa``, ``eager``).
-        vocab_size: the model config's vocabulary (None: ``config.json``'s); a different number is refused.
+        vocab_size: the ids the data holds (None: ``config.json``'s vocabulary); more than the model's embedding
+            holds is refused, fewer is fine (embeddings are often padded to a multiple of 64).
 
     Llama layout: children ``embed_tokens``, ``rotary_emb`` (non-persistent RoPE buffers, needed by every pipeline
     stage), ``layers``, ``norm``, ``lm_head``. Otherwise one child, ``hf``. Either way the transformers config is the
@@ -46,8 +47,8 @@ class HFCausalLM(nn.Module):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-        if vocab_size is not None and vocab_size != config.vocab_size:
-            raise ValueError(f"vocab_size {vocab_size} is not the model's {config.vocab_size} ({name_or_path})")
+        if vocab_size is not None and vocab_size > config.vocab_size:  # a padded embedding may hold more ids
+            raise ValueError(f"vocab_size {vocab_size} is more than the model's {config.vocab_size} ({name_or_path})")
         on_meta = torch.empty(()).is_meta  # validation builds shapes only: no weights to read
         if random_init or on_meta:
             hf = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
