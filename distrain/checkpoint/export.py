@@ -7,9 +7,9 @@ model's full parameters, loadable with ``model.load_state_dict`` without distrai
 ``--format hf`` writes a Hugging Face model directory instead (``model.safetensors`` and ``config.json``) for a
 family whose spec maps its names to Hugging Face's (``ModelSpec.to_hf`` and ``hf_config``), so
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it. The family is read from the checkpoint's own
-``config.yaml``. The tokenizer files of the Hugging Face directory the run started from (``model.name_or_path`` or
-``model.init_from``), when it has them, are copied beside the weights, so ``AutoTokenizer.from_pretrained(out)``
-works too.
+``config.yaml``. The tokenizer goes beside the weights, so ``AutoTokenizer.from_pretrained(out)`` works too: the
+one beside the run's dataset (``data=tokens``), else the tokenizer files of the Hugging Face directory the run
+started from (``model.name_or_path`` or ``model.init_from``), when it has them.
 
 Runs in one process without a process group. It holds one copy of the model in memory: only the model's entries
 are read (not the optimizer state), one tensor at a time, into tensors allocated once at their full shape;
@@ -130,8 +130,10 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
         raise ValueError(f"{path}: no such checkpoint directory")
     if not config_file.is_file():
         raise ValueError(f"{path} has no config.yaml naming its model (a step_* checkpoint directory is expected)")
-    model_cfg = OmegaConf.load(config_file).model
-    tokenizer = tokenizer_files(model_cfg)
+    run_cfg = OmegaConf.load(config_file)
+    model_cfg = run_cfg.model
+    data_tokenizer = data_tokenizer_file(run_cfg)
+    tokenizer = [] if data_tokenizer else tokenizer_files(model_cfg)
     source = model_cfg.get("name_or_path")
     if source and not Path(source).is_dir():  # model=hf: its config.json describes the model, weights aside
         raise ValueError(f"model.name_or_path={source}, the Hugging Face directory this run trained from, is gone")
@@ -162,9 +164,41 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
     hf_config.save_pretrained(partial)
     for tokenizer_file in tokenizer:
         shutil.copy2(tokenizer_file, partial / tokenizer_file.name)
+    if data_tokenizer:
+        write_data_tokenizer(data_tokenizer, run_cfg.data.path, partial)
     shutil.rmtree(out, ignore_errors=True)
     partial.replace(out)
     return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
+def data_tokenizer_file(run_cfg: DictConfig) -> Path | None:
+    """The tokenizer the run's token ids came from: the one beside its dataset (``data=tokens``), if any."""
+    path = run_cfg.data.get("path")
+    if not path:
+        return None
+    from distrain.data.tokens import tokenizer_path
+
+    try:
+        return tokenizer_path(path)
+    except ValueError:  # the dataset moved or is gone: the export goes on without a tokenizer
+        return None
+
+
+def write_data_tokenizer(tokenizer_file: Path, dataset: str, out: Path) -> None:
+    """The dataset's ``tokenizer.json`` and a ``tokenizer_config.json`` naming its end-of-document token, which is
+    what ``AutoTokenizer.from_pretrained(out)`` reads."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from distrain.data.token_format import read_index
+    from distrain.data.tokens import dataset_directory
+
+    shutil.copy2(tokenizer_file, out / "tokenizer.json")
+    eos_id = read_index(dataset_directory(dataset), "train").eos_id
+    eos = Tokenizer.from_file(str(tokenizer_file)).id_to_token(eos_id) if eos_id is not None else None
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": 1 << 30}
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=1) + "\n")
 
 
 def tokenizer_files(model_cfg: DictConfig) -> list[Path]:

@@ -116,3 +116,15 @@ def test_text_jsonl_and_parquet_prepared_then_trained_with_the_loss_falling(tmp_
         [*generate, "--prompt", "def ", "--max-new-tokens", "10"], cwd=REPO, capture_output=True, text=True
     )
     assert sampled.returncode == 0 and sampled.stdout.startswith("def "), sampled.stderr
+    # Exported to Hugging Face, the model comes with the dataset's tokenizer.
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    checkpoint, out = tmp_path / "run" / "checkpoints" / "step_00000020", tmp_path / "exported"
+    export = [sys.executable, "-m", "distrain.checkpoint.export", str(checkpoint), str(out), "--format", "hf"]
+    exported = subprocess.run(export, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    text = sources[0][:300]
+    theirs = AutoTokenizer.from_pretrained(out)
+    assert theirs(text).input_ids == Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json")).encode(text).ids
+    assert theirs.eos_token == "<|endoftext|>"
