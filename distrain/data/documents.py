@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +20,8 @@ from distrain.data.token_format import DataError
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
 PARQUET_BATCH_ROWS = 1024
+BATCH_CHARACTERS = 1 << 20  # a batch is about 1 MB of text: big enough to amortise the hand-off, small to balance
+TRAIN_BATCH_DOCUMENTS = 1024
 
 
 @dataclass
@@ -30,13 +32,20 @@ class ReadStats:
     empty_documents: int = 0
 
 
-def find_input_files(inputs: Sequence[str | os.PathLike], *, exclude: Path | None = None) -> list[Path]:
+def find_input_files(
+    inputs: Sequence[str | os.PathLike],
+    *,
+    exclude: Path | None = None,
+    skip: Callable[[Path], bool] | None = None,
+) -> list[Path]:
     """The files named by ``inputs`` (files, or directories recursed), resolved, in a fixed order.
 
     Each input keeps its place on the command line; a directory's files come sorted by path. Hidden entries
     (names starting with ``.``: ``.git``, ``.prepare-tmp``) are left out of directories, and so is everything
-    under ``exclude`` (the output directory, which may lie inside an input directory). A file named twice is read
-    once, at its first place. DataError for an input that does not exist.
+    under ``exclude`` when it is a directory below an input (the output directory), and every file for which
+    ``skip`` (given the resolved path) is true, named or found (prepare's own output files, when ``exclude`` is an
+    input directory itself). A file named twice is read once, at its first place. DataError for an input that does
+    not exist.
     """
     files: list[Path] = []
     seen: set[Path] = set()
@@ -47,7 +56,7 @@ def find_input_files(inputs: Sequence[str | os.PathLike], *, exclude: Path | Non
         path = path.resolve()
         found = [path] if path.is_file() else _directory_files(path, exclude)
         for file in found:
-            if file not in seen:
+            if file not in seen and not (skip and skip(file)):
                 seen.add(file)
                 files.append(file)
     return files
@@ -108,6 +117,22 @@ def _parquet_texts(path: Path, text_field: str, cache_dir: Path | None) -> Itera
     # Imported here: datasets takes about a second to import, and most corpora hold no Parquet file.
     import datasets
 
+    # datasets logs a broken file's error (and may draw progress bars) before raising: the DataError below is the
+    # one line prepare prints, so its logging is silenced while reading, and restored after.
+    verbosity, bars = datasets.logging.get_verbosity(), not datasets.are_progress_bars_disabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL + 1)
+    datasets.disable_progress_bars()
+    try:
+        yield from _parquet_rows(path, text_field, cache_dir)
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _parquet_rows(path: Path, text_field: str, cache_dir: Path | None) -> Iterator[str]:
+    import datasets
+
     kwargs = {"cache_dir": str(cache_dir)} if cache_dir is not None else {}
     try:
         dataset = datasets.IterableDataset.from_parquet(str(path), **kwargs)
@@ -122,6 +147,25 @@ def _parquet_texts(path: Path, text_field: str, cache_dir: Path | None) -> Itera
     for batch in dataset.select_columns([text_field]).iter(batch_size=PARQUET_BATCH_ROWS):
         # A null is a missing text: read as an empty document (skipped and counted), as Parquet writers use it.
         yield from (text or "" for text in batch[text_field])
+
+
+def batches(
+    documents: Iterator[tuple[str, bool]], max_documents: int = TRAIN_BATCH_DOCUMENTS
+) -> Iterator[tuple[list[str], list[bool]]]:
+    """Documents (with their split) grouped into batches of about ``BATCH_CHARACTERS`` characters (at most
+    ``max_documents``)."""
+    texts: list[str] = []
+    splits: list[bool] = []
+    characters = 0
+    for text, to_val in documents:
+        texts.append(text)
+        splits.append(to_val)
+        characters += len(text)
+        if characters >= BATCH_CHARACTERS or len(texts) >= max_documents:
+            yield texts, splits
+            texts, splits, characters = [], [], 0
+    if texts:
+        yield texts, splits
 
 
 def _plain_text(path: Path, stats: ReadStats) -> Iterator[str]:

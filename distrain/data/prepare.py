@@ -14,7 +14,6 @@ same command again on a finished dataset does nothing.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import random
 import shutil
@@ -30,7 +29,7 @@ import numpy as np
 import tokenizers
 from tqdm import tqdm
 
-from distrain.data.documents import ReadStats, find_input_files, iter_documents
+from distrain.data.documents import ReadStats, batches, find_input_files, iter_documents
 from distrain.data.prepare_output import (
     TEMPORARY,
     TOKENIZER,
@@ -38,6 +37,8 @@ from distrain.data.prepare_output import (
     build_summary,
     fresh_temporary,
     input_fingerprints,
+    is_output,
+    nothing_to_do,
     publish,
     up_to_date,
 )
@@ -45,22 +46,21 @@ from distrain.data.token_format import SPLITS, DataError, SplitIndex, dtype_for
 from distrain.data.tokenizer_files import (
     DEFAULT_EOS,
     TokenizerSource,
+    WorkerDied,
     check_bpe_vocab_size,
     encode_batch,
     eos_id_of,
     load_tokenizer,
     resolve_tokenizer_path,
-    start_worker,
     train_bpe,
     vocab_size_of,
+    worker_pool,
     worker_tokenizer,
 )
 
 PREPARE_VERSION = 1  # bumped when the same inputs and settings would give different shards
 DEFAULT_SHARD_TOKENS = 1 << 28
-BATCH_CHARACTERS = 1 << 20  # a batch is about 1 MB of text: big enough to amortise the hand-off, small to balance
-BATCH_DOCUMENTS = 4096
-TRAIN_BATCH_DOCUMENTS = 1024
+BATCH_DOCUMENTS = 4096  # at most, per batch handed to a worker (batches: about 1 MB of text)
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,13 @@ def prepare(
     unless ``quiet``). ``workers``: tokenising processes (default: the CPUs this process may use); ``progress``:
     the tqdm bar on stderr (default: when stderr is a terminal). DataError for bad input or options."""
     started = time.perf_counter()
-    workers = workers or _available_cpus()
+    workers = _available_cpus() if workers is None else workers
     _check_options(workers, val_fraction, shard_tokens, min_frequency, text_field)
     out = Path(out).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise DataError(str(out), "is a file; --out wants a directory (created when missing)")
-    files = find_input_files(inputs, exclude=out)
+    # Never a file prepare wrote, even with --out inside (or equal to) an input directory.
+    files = find_input_files(inputs, exclude=out, skip=lambda path: is_output(out, path))
     source = None if str(tokenizer) == "bpe" else resolve_tokenizer_path(tokenizer)
     if source is None:
         check_bpe_vocab_size(vocab_size)
@@ -121,21 +122,26 @@ def prepare(
         "settings": asdict(settings),
         "tokenizer_source": {"file": str(source.file), "sha256": source.sha256} if source else None,
     }
-    done = up_to_date(out, record)
+    done, damaged = up_to_date(out, record)
     if done is not None:
         shutil.rmtree(out / TEMPORARY, ignore_errors=True)  # an interrupted later run's leftovers
-        return _report({**done, "up_to_date": True, "message": _nothing_to_do(out)}, quiet)
+        return _report({**done, "up_to_date": True, "message": nothing_to_do(out)}, quiet)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     temporary = fresh_temporary(out)
     try:
         summary = _run(files, settings, source, out, temporary, workers, progress, started)
+        software = {"tokenizers": tokenizers.__version__, "numpy": np.__version__}
+        publish(out, temporary, summary.pop("indexes"), {**record, "software": software, "summary": summary})
     except BaseException:
         # An error or Ctrl-C leaves no temporary files behind (a killed run's are removed by the next run); what
-        # is in DATA_DIR is the previous dataset, or, if publishing had begun, no index at all.
-        shutil.rmtree(temporary, ignore_errors=True)
+        # is in DATA_DIR is the previous dataset, or, if publishing had begun, no index at all; a DATA_DIR this
+        # run created goes too.
+        shutil.rmtree(out if created else temporary, ignore_errors=True)
         raise
-    software = {"tokenizers": tokenizers.__version__, "numpy": np.__version__}
-    publish(out, temporary, summary.pop("indexes"), {**record, "software": software, "summary": summary})
+    if damaged:  # same inputs and settings, but a shard (or index) was not what the index said
+        summary["re_prepared_because"] = damaged
+        summary["message"] += f"; re-prepared because {damaged}"
     return _report(summary, quiet)
 
 
@@ -175,7 +181,7 @@ def _available_cpus() -> int:
 
 def _check_options(workers: int, val_fraction: float, shard_tokens: int, min_frequency: int, field: str) -> None:
     if workers < 1:
-        raise DataError("--workers", f"{workers}: at least 1")
+        raise DataError("--workers", f"must be >= 1, not {workers}")
     if not 0 <= val_fraction < 1:
         raise DataError("--val-fraction", f"{val_fraction}: a fraction in [0, 1)")
     if shard_tokens < 1:
@@ -258,7 +264,7 @@ def _train_tokenizer(files: list[Path], settings: Settings, plan: Plan, temporar
     ``temporary/tokenizer.json``; its JSON text for the workers."""
     train_documents = ((text, False) for text, to_val in _documents(files, settings, plan, temporary) if not to_val)
     trained = train_bpe(
-        (texts for texts, _ in _batches(train_documents)),
+        (texts for texts, _ in batches(train_documents)),
         vocab_size=settings.vocab_size,
         eos_token=settings.eos_token,
         min_frequency=settings.min_frequency,
@@ -267,24 +273,6 @@ def _train_tokenizer(files: list[Path], settings: Settings, plan: Plan, temporar
     json_text = trained.to_str(pretty=True)
     (temporary / TOKENIZER).write_text(json_text, encoding="utf-8")
     return json_text
-
-
-def _batches(
-    documents: Iterator[tuple[str, bool]], max_documents: int = TRAIN_BATCH_DOCUMENTS
-) -> Iterator[tuple[list[str], list[bool]]]:
-    """Documents grouped into batches of about ``BATCH_CHARACTERS`` characters (at most ``max_documents``)."""
-    texts: list[str] = []
-    splits: list[bool] = []
-    characters = 0
-    for text, to_val in documents:
-        texts.append(text)
-        splits.append(to_val)
-        characters += len(text)
-        if characters >= BATCH_CHARACTERS or len(texts) >= max_documents:
-            yield texts, splits
-            texts, splits, characters = [], [], 0
-    if texts:
-        yield texts, splits
 
 
 def _tokenize(
@@ -298,50 +286,27 @@ def _tokenize(
     writers = {split: ShardWriter(temporary, split, dtype, settings.shard_tokens) for split in SPLITS}
     bar = tqdm(total=plan.documents, unit="doc", desc="tokenising", file=sys.stderr, disable=not show)
     started, tokens = time.perf_counter(), 0
-    # Spawned, not forked: the parent has used the tokenizers library's threads (training), which fork breaks.
-    context = multiprocessing.get_context("spawn")
-    with bar, context.Pool(workers, initializer=start_worker, initargs=(json_text, eos_id, dtype)) as pool:
+    with bar, worker_pool(workers, json_text, eos_id, dtype) as pool:
         pending: deque = deque()
 
         def collect() -> None:
             nonlocal tokens
             done = 0
-            for split, (ids, documents, largest) in zip(SPLITS, pending.popleft().get(), strict=True):
+            for split, (ids, documents, largest) in zip(SPLITS, pending.popleft().result(), strict=True):
                 writers[split].write(ids, documents, largest)
                 tokens, done = tokens + ids.size, done + documents
             rate = tokens / max(time.perf_counter() - started, 1e-9)
             bar.set_postfix_str(f"{tokens:,} tokens, {rate:,.0f} tokens/s", refresh=False)
             bar.update(done)
 
-        for texts, splits in _batches(_documents(files, settings, plan, temporary), BATCH_DOCUMENTS):
-            pending.append(pool.apply_async(encode_batch, (texts, splits)))
+        for texts, splits in batches(_documents(files, settings, plan, temporary), BATCH_DOCUMENTS):
+            pending.append(pool.submit(encode_batch, texts, splits))
             # A bounded number of batches in flight: the corpus is never all in memory at once.
             if len(pending) > 2 * workers:
                 collect()
         while pending:
             collect()
-    return {split: _index(writer, vocab_size, eos_id) for split, writer in writers.items()}
-
-
-def _index(writer: ShardWriter, vocab_size: int, eos_id: int) -> SplitIndex:
-    shards = writer.close()
-    return SplitIndex(
-        writer.split,
-        writer.dtype_name,
-        vocab_size,
-        eos_id,
-        TOKENIZER,
-        writer.documents,
-        writer.tokens,
-        writer.max_token_id,
-        shards,
-    )
-
-
-def _nothing_to_do(out: Path) -> str:
-    return (
-        f"distrain prepare: {out} is up to date (same inputs, settings and tokenizer, shards complete): nothing to do"
-    )
+    return {split: writer.index(vocab_size, eos_id, TOKENIZER) for split, writer in writers.items()}
 
 
 def _report(summary: dict, quiet: bool) -> dict:
@@ -394,12 +359,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as err:
         print(f"distrain prepare: {err}", file=sys.stderr)
         return 2
+    except WorkerDied as err:  # killed, out of memory: the run is lost, the previous dataset kept
+        print(f"distrain prepare: a tokenising worker died ({err}); nothing was published", file=sys.stderr)
+        return 1
     except OSError as err:  # a full disk, a directory not writable: the system's words, no traceback
         where = f"{err.filename}: " if err.filename else ""
         print(f"distrain prepare: {where}{err.strerror or err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # Indexes are written last, so what is left is the previous dataset, or no index at all: never a torn one.
+        # The workers ignore SIGINT and were terminated by prepare, its temporary directory removed. Indexes are
+        # written last, so what is left is the previous dataset, or no index at all: never a torn one.
         print("distrain prepare: interrupted (no index names a partial shard); run the command again", file=sys.stderr)
         return 130
     return 0

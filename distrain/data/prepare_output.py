@@ -71,6 +71,21 @@ class ShardWriter:
             self._close()
         return tuple(self.shards)
 
+    def index(self, vocab_size: int, eos_id: int, tokenizer: str) -> SplitIndex:
+        """Close the last shard; the split's index."""
+        shards = self.close()
+        return SplitIndex(
+            self.split,
+            self.dtype_name,
+            vocab_size,
+            eos_id,
+            tokenizer,
+            self.documents,
+            self.tokens,
+            self.max_token_id,
+            shards,
+        )
+
     def _open(self) -> None:
         self._name = f"{self.split}-{len(self.shards):05d}.bin"
         self._file, self._digest, self._in_shard = open(self.directory / self._name, "wb"), hashlib.sha256(), 0
@@ -81,6 +96,15 @@ class ShardWriter:
         self._file.close()
         self.shards.append(Shard(file=self._name, tokens=self._in_shard, sha256=self._digest.hexdigest()))
         self._file = self._digest = None
+
+
+def is_output(out: Path, path: Path) -> bool:
+    """Whether ``path`` (resolved) is a file prepare writes in ``out``: never an input, even when ``out`` is an
+    input directory."""
+    if path.is_relative_to(out / TEMPORARY):
+        return True
+    written = (RECORD, TOKENIZER, *(f"{split}.json" for split in SPLITS))
+    return path.parent == out and (path.name in written or SHARD_NAME.fullmatch(path.name) is not None)
 
 
 def fresh_temporary(out: Path) -> Path:
@@ -142,23 +166,34 @@ def input_fingerprints(files: list[Path]) -> list[dict]:
     return fingerprints
 
 
-def up_to_date(out: Path, record: dict) -> dict | None:
-    """The summary of the dataset in ``out`` when it was prepared from the same inputs, settings and tokenizer
-    (``record``) and is complete (both indexes readable, every shard there with its size); None otherwise."""
+def up_to_date(out: Path, record: dict) -> tuple[dict | None, str | None]:
+    """``(summary, None)`` for the dataset in ``out`` when it was prepared from the same inputs, settings and
+    tokenizer (``record``) and is intact: both indexes readable, every shard there with its size and SHA-256 (a
+    re-run reads the dataset once; that is what lets it repair a changed shard). ``(None, why)`` when the record
+    matches but the dataset is not intact; ``(None, None)`` when there is no dataset or it was prepared otherwise."""
     try:
         previous = json.loads((out / RECORD).read_text())
     except (OSError, ValueError):
-        return None
+        return None, None
     if not isinstance(previous, dict) or any(previous.get(key) != record[key] for key in COMPARED):
-        return None
+        return None, None
     try:
         for split in SPLITS:
-            # Sizes only: hashing every shard would make the no-op as slow as reading the dataset.
-            verify_split(out, read_index(out, split), checksums=False)
-    except DataError:
-        return None
+            verify_split(out, read_index(out, split))
+    except DataError as err:
+        return None, str(err)
     summary = previous.get("summary")
-    return summary if isinstance(summary, dict) and (out / TOKENIZER).is_file() else None
+    if not isinstance(summary, dict):
+        return None, f"{out / RECORD}: holds no summary"
+    return (summary, None) if (out / TOKENIZER).is_file() else (None, f"{out / TOKENIZER}: missing")
+
+
+def nothing_to_do(out: Path) -> str:
+    """The one line of a run that found ``out`` up to date."""
+    return (
+        f"distrain prepare: {out} is up to date (same inputs, settings and tokenizer, shards complete and unchanged): "
+        "nothing to do"
+    )
 
 
 def summary_line(summary: dict) -> str:

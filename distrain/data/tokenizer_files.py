@@ -1,15 +1,21 @@
 """The tokenizer of ``python -m distrain.data.prepare``: a byte-level BPE trained on the train documents, or an
 existing Hugging Face ``tokenizers`` file (``tokenizer.json``, alone or in a model directory).
 
-Runs in prepare's main process (training uses the Rust library's threads); the tokenising workers rebuild the
-tokenizer from its JSON text (:func:`start_worker`) and encode with :func:`encode_batch`.
+Runs in prepare's main process (training uses the Rust library's threads); the tokenising workers
+(:func:`worker_pool`) rebuild the tokenizer from its JSON text (:func:`start_worker`) and encode with
+:func:`encode_batch`.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-from collections.abc import Iterable
+import signal
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,11 +130,53 @@ def worker_tokenizer(json_text: str) -> Tokenizer:
     return tokenizer
 
 
+class WorkerDied(RuntimeError):
+    """A tokenising worker process ended without handing back its batch (killed, out of memory); how it ended."""
+
+
+@contextmanager
+def worker_pool(workers: int, json_text: str, eos_id: int, dtype: str) -> Iterator[ProcessPoolExecutor]:
+    """``workers`` tokenising processes. A worker that dies fails its batch at once (WorkerDied) instead of leaving
+    the main process waiting; on any error or Ctrl-C the workers are terminated here (they ignore SIGINT, so that
+    the main process alone decides what a Ctrl-C does) and the pool is shut down before the exception goes on."""
+    # Spawned, not forked: the parent has used the tokenizers library's threads (training), which fork breaks.
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(workers, context, initializer=start_worker, initargs=(json_text, eos_id, dtype))
+    try:
+        yield pool
+    except BaseException as err:
+        # Python 3.11 has no public way to stop running workers (3.14's terminate_workers); _processes it is.
+        processes = list((pool._processes or {}).values())
+        for process in processes:
+            process.terminate()
+        # With every worker gone the pool's manager thread finds them dead and ends: this wait is short.
+        pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(err, BrokenProcessPool):
+            raise WorkerDied(_how_workers_ended(processes)) from None
+        raise
+    pool.shutdown(wait=True)
+
+
+def _how_workers_ended(processes: list) -> str:
+    codes = [process.exitcode for process in processes if process.exitcode is not None]
+    # The pool terminates (SIGTERM) the others once one has died: the one that did not end that way is the news.
+    code = next((code for code in codes if code != -signal.SIGTERM), codes[0] if codes else None)
+    if code is None:
+        return "it ended abruptly"
+    if code < 0:
+        name = signal.Signals(-code).name
+        return f"killed by {name}" + (", perhaps by the out-of-memory killer" if -code == signal.SIGKILL else "")
+    return f"exit status {code}"
+
+
 _WORKER: dict = {}
 
 
 def start_worker(json_text: str, eos_id: int, dtype: str) -> None:
-    """Runs once in each worker process: one thread each (``--workers`` is the parallelism), the tokenizer built."""
+    """Runs once in each worker process: SIGINT ignored (a Ctrl-C reaches every process of the terminal's group;
+    the main process stops the workers itself), one thread each (``--workers`` is the parallelism), the tokenizer
+    built."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.update(tokenizer=worker_tokenizer(json_text), eos_id=eos_id, dtype=np.dtype(dtype))
 

@@ -4,9 +4,13 @@ number of workers, a no-op re-run, given tokenizers used as given, one-line refu
 leave an index naming a missing or partial shard."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +20,7 @@ import pytest
 from helpers import REPO
 from tokenizers import Tokenizer
 
+import distrain.data.documents as documents_module
 import distrain.data.prepare as prepare_module
 import distrain.data.prepare_output as prepare_output
 from distrain.data.prepare import main, prepare
@@ -125,7 +130,7 @@ def test_mixed_inputs_every_document_once_with_eos_split_whole_and_round_tripped
 def test_workers_do_not_change_a_byte_and_small_shards_add_up(corpus, prepared, tmp_path, monkeypatch):
     out, _ = prepared
     # Tiny batches, so that several are in flight at once and the order of their collection matters.
-    monkeypatch.setattr(prepare_module, "BATCH_CHARACTERS", 40)
+    monkeypatch.setattr(documents_module, "BATCH_CHARACTERS", 40)
     prepare(corpus, tmp_path / "one", workers=1, quiet=True, **SETTINGS)
     assert shard_bytes(tmp_path / "one") == shard_bytes(out)
     summary = prepare(corpus, tmp_path / "small", workers=2, shard_tokens=16, quiet=True, **SETTINGS)
@@ -244,6 +249,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     (tmp_path / "badjson.jsonl").write_text('{"text": "fine"}\n\n{"text": "unterminated\n')
     (tmp_path / "notstring.jsonl").write_text('{"text": 3}\n')
     pq.write_table(pa.table({"body": ["x", "y"]}), tmp_path / "nocol.parquet")
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not really a Parquet file")
     (tmp_path / "broken.json").write_text('{"model": ')
     shutil.copyfile(Path(__file__), tmp_path / "plain.json")  # valid UTF-8 but not a tokenizer
     ok = ["--input", str(corpus)]
@@ -262,6 +268,8 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "missing tokenizer": ([*ok, "--out", out, "--tokenizer", str(tmp_path / "none.json")], "none.json"),
         "not an integer": ([*ok, "--out", out, "--vocab-size", "many"], "--vocab-size"),
         "bad fraction": ([*ok, "--out", out, "--val-fraction", "1.5"], "--val-fraction"),
+        "no workers": ([*ok, "--out", out, "--workers", "0"], "--workers: must be >= 1"),
+        "corrupt parquet": (["--input", str(tmp_path / "corrupt.parquet"), "--out", out], "corrupt.parquet"),
     }
 
 
@@ -280,6 +288,8 @@ BAD_CASES = [
     "missing tokenizer",
     "not an integer",
     "bad fraction",
+    "no workers",
+    "corrupt parquet",
 ]
 
 
@@ -288,12 +298,21 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     cases = bad_inputs(tmp_path)
     assert list(cases) == BAD_CASES
     args, named = cases[case]
-    assert main([*args, "--workers", "1"]) == 2
+    assert main(["--workers", "1", *args]) == 2  # the case's own --workers, given last, wins
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("distrain prepare: ") and named in lines[0], captured.err
     assert "Traceback" not in captured.err and captured.out == ""
-    assert not (tmp_path / "out" / ".prepare-tmp").exists()
+    assert not (tmp_path / "out").exists()  # not even an empty DATA_DIR left behind by a failed first run
+
+
+def test_a_corrupt_parquet_file_is_one_line_on_the_real_stderr(tmp_path):
+    # datasets logs through a handler of its own (not captured by capsys): a subprocess sees what a user sees.
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not really a Parquet file")
+    command = [sys.executable, "-m", "distrain.data.prepare", "--input", str(tmp_path / "corrupt.parquet")]
+    done = subprocess.run([*command, "--out", str(tmp_path / "d")], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "not a readable Parquet file" in done.stderr and not (tmp_path / "d").exists()
 
 
 def test_eos_missing_from_a_given_vocabulary(prepared, tmp_path, capsys):
@@ -398,3 +417,124 @@ def test_split_is_seeded_by_whole_documents_and_never_leaves_a_split_empty(tmp_p
     assert first != second and split_of("c", val_fraction=0.5, seed=1) == first
     for split in (first, second):
         assert sorted(split["train"] + split["val"]) == texts and 0 < len(split["val"]) < 30
+
+
+def test_out_equal_to_the_input_directory_never_reads_its_own_output(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for number in range(4):
+        (corpus / f"{number}.txt").write_text(f"document number {number} " * 5)
+    args = ["--input", str(corpus), "--out", str(corpus), "--vocab-size", "300", "--val-fraction", "0.25"]
+    assert main([*args, "--workers", "1"]) == 0
+    assert "up to date" not in capsys.readouterr().out
+    record = json.loads((corpus / "prepare.json").read_text())
+    assert [Path(entry["path"]).name for entry in record["inputs"]] == [f"{number}.txt" for number in range(4)]
+    assert record["summary"]["documents"] == 4
+    before = {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in corpus.iterdir()}
+    assert main([*args, "--workers", "2"]) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in corpus.iterdir()} == before
+    # Nor is one of its files read when named on its own: the same four inputs, still up to date.
+    again = [corpus, corpus / "train.json", corpus / "train-00000.bin"]
+    assert prepare(again, corpus, vocab_size=300, val_fraction=0.25, workers=1, quiet=True)["up_to_date"]
+
+
+def test_a_changed_shard_is_found_and_re_prepared(corpus, prepared, tmp_path, capsys):
+    out, _ = prepared
+    data = tmp_path / "data"
+    shutil.copytree(out, data)
+    assert prepare(corpus, data, workers=1, quiet=True, **SETTINGS)["up_to_date"]
+    shard = data / "train-00000.bin"
+    damaged = bytearray(shard.read_bytes())
+    damaged[3] ^= 0xFF  # same size: only its SHA-256 tells
+    shard.write_bytes(bytes(damaged))
+    summary = prepare(corpus, data, workers=1, **SETTINGS)
+    line = capsys.readouterr().out
+    assert not summary["up_to_date"] and "train-00000.bin" in summary["re_prepared_because"]
+    assert line.count("\n") == 1 and "re-prepared because" in line and "SHA-256" in line
+    assert shard_bytes(data) == shard_bytes(out)
+    assert prepare(corpus, data, workers=1, quiet=True, **SETTINGS)["up_to_date"]
+
+
+# Replaces prepare's encode_batch in a subprocess (spawned workers import it by name from PYTHONPATH): a document
+# holding DIE makes its worker exit at once, as a kill -9 or the OOM killer would; one holding SLOW makes it write
+# its pid to $HOOK_MARK and sleep.
+HOOKS = """
+import os, time
+from distrain.data import tokenizer_files
+
+def encode_batch(texts, to_val):
+    if any("DIE" in text for text in texts):
+        os._exit(9)
+    if any("SLOW" in text for text in texts):
+        with open(os.environ["HOOK_MARK"] + ".part", "w") as file:
+            file.write(str(os.getpid()))
+        os.replace(os.environ["HOOK_MARK"] + ".part", os.environ["HOOK_MARK"])
+        time.sleep(300)
+    return tokenizer_files.encode_batch(texts, to_val)
+"""
+RUN_WITH_HOOKS = (
+    "import sys, hooks, distrain.data.prepare as p; p.encode_batch = hooks.encode_batch; sys.exit(p.main())"
+)
+
+
+def start_with_hooks(tmp_path: Path, marker: str) -> tuple[subprocess.Popen, Path]:
+    (tmp_path / "hooks.py").write_text(textwrap.dedent(HOOKS))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for number in range(6):
+        (corpus / f"{number}.txt").write_text(f"document {number} " * 20 + (marker if number == 4 else ""))
+    out = tmp_path / "out"
+    command = [sys.executable, "-c", RUN_WITH_HOOKS, "--input", str(corpus), "--out", str(out), "--workers", "2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "HOOK_MARK": str(tmp_path / "pid")}
+    # A session of its own: the test's Ctrl-C goes to this process group only, as a terminal's would.
+    process = subprocess.Popen(
+        [*command, "--vocab-size", "280"],
+        cwd=REPO,
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    return process, out
+
+
+def finish(process: subprocess.Popen, seconds: float) -> tuple[str, str]:
+    try:
+        return process.communicate(timeout=seconds)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # whatever is left of a hung run
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_dies_fails_the_run_in_one_line_without_hanging(tmp_path):
+    process, out = start_with_hooks(tmp_path, "DIE")
+    stdout, stderr = finish(process, 60)
+    assert process.returncode == 1 and stdout == "", stderr
+    assert stderr.splitlines() == [
+        "distrain prepare: a tokenising worker died (exit status 9); nothing was published"
+    ], stderr
+    assert not out.exists()  # the run created it, and failed
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_while_tokenising_stops_the_workers_and_exits_130(tmp_path):
+    process, out = start_with_hooks(tmp_path, "SLOW")
+    mark = tmp_path / "pid"
+    deadline = time.monotonic() + 120
+    while not mark.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mark.exists(), finish(process, 1)
+    worker = int(mark.read_text())
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: every process of the group gets it
+    stdout, stderr = finish(process, 60)
+    assert process.returncode == 130 and stdout == "", stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distrain prepare: interrupted"), stderr
+    assert not out.exists()
+    with pytest.raises(ProcessLookupError):  # the sleeping worker was terminated (and reaped) by prepare
+        os.kill(worker, 0)
