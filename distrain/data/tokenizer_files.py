@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.context
 import os
 import signal
 from collections.abc import Iterable, Iterator
@@ -17,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import numpy as np
@@ -140,8 +142,7 @@ def worker_pool(workers: int, json_text: str, eos_id: int, dtype: str) -> Iterat
     the main process waiting; on any error or Ctrl-C the workers are terminated here (they ignore SIGINT, so that
     the main process alone decides what a Ctrl-C does) and the pool is shut down before the exception goes on."""
     # Spawned, not forked: the parent has used the tokenizers library's threads (training), which fork breaks.
-    context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(workers, context, initializer=start_worker, initargs=(json_text, eos_id, dtype))
+    pool = ProcessPoolExecutor(workers, _WorkerContext(), initializer=start_worker, initargs=(json_text, eos_id, dtype))
     try:
         yield pool
     except BaseException as err:
@@ -155,6 +156,26 @@ def worker_pool(workers: int, json_text: str, eos_id: int, dtype: str) -> Iterat
             raise WorkerDied(_how_workers_ended(processes)) from None
         raise
     pool.shutdown(wait=True)
+
+
+class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A spawned worker born with SIGINT blocked (a signal mask survives fork and exec) until :func:`start_worker`
+    ignores it, so that a Ctrl-C while the worker starts up is no KeyboardInterrupt traceback in it. In the parent
+    SIGINT is blocked only while the child is forked: a Ctrl-C then stays pending and is delivered right after."""
+
+    def start(self) -> None:
+        if not hasattr(signal, "pthread_sigmask"):  # Windows: no process-group SIGINT to guard against
+            return super().start()
+        resource_tracker.ensure_running()  # before blocking: starting the tracker unblocks SIGINT
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _WorkerContext(multiprocessing.context.SpawnContext):
+    Process = _WorkerProcess
 
 
 def _how_workers_ended(processes: list) -> str:
@@ -176,7 +197,9 @@ def start_worker(json_text: str, eos_id: int, dtype: str) -> None:
     """Runs once in each worker process: SIGINT ignored (a Ctrl-C reaches every process of the terminal's group;
     the main process stops the workers itself), one thread each (``--workers`` is the parallelism), the tokenizer
     built."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a SIGINT left pending while it was blocked
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.update(tokenizer=worker_tokenizer(json_text), eos_id=eos_id, dtype=np.dtype(dtype))
 

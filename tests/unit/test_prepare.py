@@ -1,7 +1,8 @@
 """python -m distrain.data.prepare on tiny corpora built here (text, JSONL and Parquet in one run): valid indexes,
 every document once with its EOS, an exact tokenizer round trip, whole-document splits, output independent of the
-number of workers, a no-op re-run, given tokenizers used as given, one-line refusals, and interruptions that never
-leave an index naming a missing or partial shard."""
+number of workers, a no-op re-run (that finds a changed shard and repairs it), given tokenizers used as given, an
+output directory that is also the input never read back, one-line refusals, interruptions that never leave an
+index naming a missing or partial shard, and Ctrl-C or a dead worker ending the run at once (subprocesses)."""
 
 import json
 import os
@@ -26,7 +27,7 @@ import distrain.data.prepare_output as prepare_output
 from distrain.data.prepare import main, prepare
 from distrain.data.prepare_output import ShardWriter
 from distrain.data.token_format import SPLITS, DataError, dtype_for, read_index, verify_split
-from distrain.data.tokenizer_files import train_bpe
+from distrain.data.tokenizer_files import train_bpe, worker_pool
 
 PLAIN = {
     "a.txt": "Hello, world.\nnaïve café — ünïcode 😀 and\ttabs\n\n  leading spaces",
@@ -538,3 +539,15 @@ def test_ctrl_c_while_tokenising_stops_the_workers_and_exits_130(tmp_path):
     assert not out.exists()
     with pytest.raises(ProcessLookupError):  # the sleeping worker was terminated (and reaped) by prepare
         os.kill(worker, 0)
+
+
+def test_workers_ignore_sigint_from_birth_and_are_stopped_by_the_main_process():
+    tokenizer = train_bpe([DOCUMENTS], vocab_size=300, eos_token="<|endoftext|>", min_frequency=1, progress=False)
+    with worker_pool(1, tokenizer.to_str(), 0, "uint16") as pool:
+        assert pool.submit(signal.getsignal, signal.SIGINT).result() == signal.SIG_IGN
+        assert signal.SIGINT not in pool.submit(signal.pthread_sigmask, signal.SIG_BLOCK, []).result()
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # nor left blocked in this process
+    with pytest.raises(KeyboardInterrupt), worker_pool(1, tokenizer.to_str(), 0, "uint16") as pool:
+        processes = list(pool._processes.values()) if pool.submit(int).result() == 0 else []
+        raise KeyboardInterrupt
+    assert processes and all(process.exitcode is not None for process in processes)
