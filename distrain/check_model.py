@@ -68,6 +68,7 @@ LAYOUTS = [
         1,
     ),
     Layout("pipeline", ("parallelism=pipeline", "parallelism.microbatches=4"), 2, 1),
+    Layout("hsdp_2x2", ("parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"), 4, 4),
     Layout("hybrid_dp2_tp2", ("parallelism=hybrid", "parallelism.tp=2"), 4, 2),
     Layout(
         "hybrid_tp2_pp2",

@@ -122,7 +122,8 @@ class HybridConfig:
 
     _target_: str = "distrain.parallelism.hybrid.HybridStrategy"
     name: str = "hybrid"
-    dp: int = -1  # data-parallel degree; -1: world size / (tp x pp)
+    dp_replicate: int = 1  # copies of the dp-sharded model (HSDP when > 1); -1: one per node
+    dp: int = -1  # data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x tp x pp)
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline stages (ranks); with pp > 1 the pipeline keys below apply
     stage: int = "${stage_or:3}"  # FSDP on dp: 2 keeps gathered parameters forward to backward; 3 reshards

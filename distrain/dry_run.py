@@ -168,7 +168,12 @@ def plan(cfg: DictConfig) -> DryRunReport:
     dist.init_process_group("fake", store=_fake_store(), rank=0, world_size=target.world_size)
     try:
         ranks = predict_rank_memory(
-            strategy, new_model=new_model, world_size=target.world_size, precision=precision, workload=workload
+            strategy,
+            new_model=new_model,
+            world_size=target.world_size,
+            precision=precision,
+            workload=workload,
+            ranks_per_node=target.ranks_per_node,
         )
     finally:
         dist.destroy_process_group()

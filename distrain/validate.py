@@ -27,6 +27,7 @@ from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
 from distrain.validate_parallelism import (
+    HYBRID_PRESETS,
     meta_model,
     spec_for_config,
     validate_comm,
@@ -138,8 +139,8 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         validate_pipeline(cfg, world_size)
     if cfg.parallelism.name == "tensor":
         validate_tensor(cfg, world_size)
-    if cfg.parallelism.name == "hybrid":
-        validate_hybrid(cfg, world_size)
+    if cfg.parallelism.name in HYBRID_PRESETS:
+        validate_hybrid(cfg, world_size, ranks_per_node=nproc)
     validate_data_fits(cfg, world_size)  # after the degrees are known to be valid
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
 
@@ -267,14 +268,24 @@ def _validate_dataset(cfg: DictConfig) -> None:
         raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
 
 
-def data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
+def data_parallel_degree(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> int:
     """Ranks reading different data: all of them for ddp, zero, fsdp; none for tensor and pipeline; dp for hybrid."""
     name = cfg.parallelism.name
     if name in ("tensor", "pipeline"):
         return 1
-    if name == "hybrid":
+    if name in HYBRID_PRESETS:
+        from distrain.parallelism.hybrid import MeshDegrees
+
         hybrid = cfg.parallelism
-        return hybrid.dp if hybrid.dp != -1 else world_size // (hybrid.tp * hybrid.pp)
+        degrees = MeshDegrees.resolve(
+            dp=hybrid.dp,
+            tp=hybrid.tp,
+            pp=hybrid.pp,
+            world_size=world_size,
+            replicate=hybrid.dp_replicate,
+            ranks_per_node=ranks_per_node,
+        )
+        return degrees.data_parallel
     return world_size
 
 

@@ -16,7 +16,8 @@ from distrain.config_checks import ConfigError, at_least, check, positive
 from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
 
 # Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
-STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3), "hybrid": (2, 3)}
+STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3), "hybrid": (2, 3), "hsdp": (2, 3)}
+HYBRID_PRESETS = ("hybrid", "hsdp")  # parallelism options built by the hybrid strategy
 
 
 def model_name(cfg: DictConfig) -> str:
@@ -220,22 +221,31 @@ def validate_tensor(cfg: DictConfig, world_size: int) -> None:
         )
 
 
-def validate_hybrid(cfg: DictConfig, world_size: int) -> None:
+def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> None:
     """Degrees against the world size, then the tensor and pipeline rules for their own axes."""
     hybrid = cfg.parallelism
     check(cfg, "parallelism.tp", at_least(1), "an integer >= 1")
     check(cfg, "parallelism.pp", at_least(1), "an integer >= 1")
     if hybrid.dp != -1:
-        check(cfg, "parallelism.dp", at_least(1), "an integer >= 1, or -1 for world size / (tp x pp)")
-    dp = world_size // (hybrid.tp * hybrid.pp) if hybrid.dp == -1 else hybrid.dp
-    if dp * hybrid.tp * hybrid.pp != world_size or dp < 1:
-        key, value = ("parallelism.dp", hybrid.dp) if hybrid.dp != -1 else ("parallelism.tp", hybrid.tp)
-        shown = "world size / (tp x pp)" if hybrid.dp == -1 else str(hybrid.dp)
-        raise ConfigError(
-            key,
-            value,
-            f"degrees whose product is the world size {world_size}: dp x tp x pp = {shown} x {hybrid.tp} x {hybrid.pp}",
+        check(cfg, "parallelism.dp", at_least(1), "an integer >= 1, or -1 for world size / (dp_replicate x tp x pp)")
+    if hybrid.dp_replicate != -1:
+        check(cfg, "parallelism.dp_replicate", at_least(1), "an integer >= 1, or -1 for one per node")
+    if hybrid.dp_replicate not in (-1, 1) and hybrid.dp_mode != "fsdp":
+        raise ConfigError("parallelism.dp_replicate", hybrid.dp_replicate, "1 with dp_mode=replicate (use dp)")
+    from distrain.parallelism.hybrid import MeshDegrees
+
+    try:
+        MeshDegrees.resolve(
+            dp=hybrid.dp,
+            tp=hybrid.tp,
+            pp=hybrid.pp,
+            world_size=world_size,
+            replicate=hybrid.dp_replicate,
+            ranks_per_node=ranks_per_node,
         )
+    except ValueError as err:
+        key, value = ("parallelism.dp", hybrid.dp) if hybrid.dp != -1 else ("parallelism.tp", hybrid.tp)
+        raise ConfigError(key, value, f"degrees whose product is the world size {world_size}: {err}") from None
     if cfg.precision.compute_dtype == "float16":
         raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=hybrid (no loss scaler)")
     if hybrid.tp > 1:

@@ -36,30 +36,51 @@ AXES = ("pp", "dp", "tp")
 
 @dataclass(frozen=True)
 class MeshDegrees:
-    """Degrees of the three axes; ``dp=-1`` in config means "the rest of the world size"."""
+    """Degrees of the axes: ``replicate`` copies of an FSDP group of ``dp`` ranks (HSDP when both exceed 1), ``tp``
+    and ``pp``. In config ``dp=-1`` means "the rest of the world size", ``dp_replicate=-1`` "one per node"."""
 
     pp: int
     dp: int
     tp: int
+    replicate: int = 1
 
     @classmethod
-    def resolve(cls, *, dp: int, tp: int, pp: int, world_size: int) -> MeshDegrees:
-        """The degrees for ``world_size`` ranks; ValueError names the mismatch."""
+    def resolve(
+        cls, *, dp: int, tp: int, pp: int, world_size: int, replicate: int = 1, ranks_per_node: int | None = None
+    ) -> MeshDegrees:
+        """The degrees for ``world_size`` ranks (``ranks_per_node`` resolves ``replicate=-1``); ValueError names
+        the mismatch."""
+        if replicate == -1:
+            replicate = max(1, world_size // (ranks_per_node or world_size))
         if dp == -1:
-            if world_size % (tp * pp):
-                raise ValueError(f"tp x pp = {tp * pp} does not divide the world size {world_size}")
-            dp = world_size // (tp * pp)
-        if dp * tp * pp != world_size:
-            raise ValueError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, not the world size {world_size}")
-        return cls(pp=pp, dp=dp, tp=tp)
+            if world_size % (tp * pp * replicate):
+                raise ValueError(
+                    f"dp_replicate x tp x pp = {replicate * tp * pp} does not divide the world size {world_size}"
+                )
+            dp = world_size // (tp * pp * replicate)
+        if replicate * dp * tp * pp != world_size:
+            raise ValueError(
+                f"dp_replicate x dp x tp x pp = {replicate} x {dp} x {tp} x {pp} = {replicate * dp * tp * pp}, "
+                f"not the world size {world_size}"
+            )
+        return cls(pp=pp, dp=dp, tp=tp, replicate=replicate)
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks reading different data: the replicas times the ranks sharding each."""
+        return self.replicate * self.dp
 
 
 def build_mesh(degrees: MeshDegrees, device_type: str, dp_mode: str = "fsdp") -> DeviceMesh:
     """The (pp, dp, tp) mesh over all ranks (collective: creates one process group per axis slice). With
     ``dp_mode="replicate"`` a ``dp_shard`` axis of size 1 follows ``dp``: FSDP2 over (dp, dp_shard) replicates over
-    ``dp`` and shards over nothing."""
+    ``dp`` and shards over nothing. With ``degrees.replicate > 1`` a ``dp_replicate`` axis precedes ``dp``: FSDP2 over
+    (dp_replicate, dp) shards within each ``dp`` group and replicates across them (HSDP)."""
     if dp_mode == "replicate":
         shape, names = (degrees.pp, degrees.dp, 1, degrees.tp), ("pp", "dp", "dp_shard", "tp")
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if degrees.replicate > 1:
+        shape, names = (degrees.pp, degrees.replicate, degrees.dp, degrees.tp), ("pp", "dp_replicate", "dp", "tp")
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
     return init_device_mesh(device_type, (degrees.pp, degrees.dp, degrees.tp), mesh_dim_names=AXES)
 
@@ -80,6 +101,8 @@ def compose(
         parallelize_model(module, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if degrees.dp > 1 and "dp_shard" in (mesh.mesh_dim_names or ()):
         shard_blocks_and_root(module, mesh["dp", "dp_shard"], precision, stage=2)
+    elif degrees.replicate > 1:  # HSDP: gradients reduce-scattered within dp, then all-reduced across replicas
+        shard_blocks_and_root(module, mesh["dp_replicate", "dp"], precision, stage=stage)
     elif degrees.dp > 1:
         shard_blocks_and_root(module, mesh["dp"], precision, stage=stage)
     return module
@@ -94,16 +117,36 @@ class HybridLayout:
     pp: int
     dp_mode: str
     fsdp_stage: int
+    dp_replicate: int = 1
 
-    def build(self, world_size: int, device_type: str) -> tuple[DeviceMesh, MeshDegrees]:
+    def degrees(self, world_size: int, ranks_per_node: int | None) -> MeshDegrees:
+        return MeshDegrees.resolve(
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            world_size=world_size,
+            replicate=self.dp_replicate,
+            ranks_per_node=ranks_per_node,
+        )
+
+    def build(
+        self, world_size: int, device_type: str, ranks_per_node: int | None = None
+    ) -> tuple[DeviceMesh, MeshDegrees]:
         """The degrees for ``world_size`` ranks and their mesh (collective)."""
-        degrees = MeshDegrees.resolve(dp=self.dp, tp=self.tp, pp=self.pp, world_size=world_size)
+        degrees = self.degrees(world_size, ranks_per_node)
         return build_mesh(degrees, device_type, self.dp_mode), degrees
+
+
+def data_parallel_rank(mesh: DeviceMesh, degrees: MeshDegrees) -> int:
+    """This rank's index among the ranks reading different data: replica-major, then its place in the dp group."""
+    replica = mesh["dp_replicate"].get_local_rank() if degrees.replicate > 1 else 0
+    return replica * degrees.dp + mesh["dp"].get_local_rank()
 
 
 def HybridStrategy(  # noqa: N802 - the config's target, named like the other strategies
     *,
     name: str = "hybrid",
+    dp_replicate: int = 1,
     dp: int,
     tp: int,
     pp: int,
@@ -121,7 +164,9 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     strategies; the mesh is built at setup, when the world size is known.
 
     Args:
-        dp: data-parallel degree; -1: world size / (tp x pp).
+        dp_replicate: copies of the model's FSDP groups (HSDP: shard within a group of ``dp`` ranks, replicate
+            across groups); -1: one per node.
+        dp: data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x tp x pp).
         tp: tensor-parallel degree (heads and MLP units split).
         pp: pipeline-parallel degree (stages).
         stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees them.
@@ -133,7 +178,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
         schedule, microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's, as in
             ``parallelism=pipeline``.
     """
-    layout = HybridLayout(dp=dp, tp=tp, pp=pp, dp_mode=dp_mode, fsdp_stage=stage)
+    layout = HybridLayout(dp=dp, tp=tp, pp=pp, dp_mode=dp_mode, fsdp_stage=stage, dp_replicate=dp_replicate)
     if pp > 1:
         return _ComposedPipeline(
             layout,
@@ -155,7 +200,7 @@ class _ComposedModel(TensorParallelStrategy):
         self.layout = layout
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
-        self.mesh, self.degrees = self.layout.build(ctx.env.world_size, ctx.env.device.type)
+        self.mesh, self.degrees = self.layout.build(ctx.env.world_size, ctx.env.device.type, ctx.env.local_world_size)
         super().setup(model, ctx)
 
     def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
@@ -176,7 +221,7 @@ class _ComposedModel(TensorParallelStrategy):
 
     @property
     def data_parallel(self) -> tuple[int, int]:
-        return self.mesh["dp"].get_local_rank(), self.degrees.dp
+        return data_parallel_rank(self.mesh, self.degrees), self.degrees.data_parallel
 
 
 class _ComposedPipeline(PipelineStrategy):
@@ -188,7 +233,7 @@ class _ComposedPipeline(PipelineStrategy):
         self.layout = layout
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
-        self.mesh, self.degrees = self.layout.build(ctx.env.world_size, ctx.env.device.type)
+        self.mesh, self.degrees = self.layout.build(ctx.env.world_size, ctx.env.device.type, ctx.env.local_world_size)
         super().setup(model, ctx)
 
     def pipeline_ranks(self, ctx: Any) -> tuple[int, int, dist.ProcessGroup | None]:
@@ -199,7 +244,7 @@ class _ComposedPipeline(PipelineStrategy):
 
     @property
     def data_parallel(self) -> tuple[int, int]:
-        return self.mesh["dp"].get_local_rank(), self.degrees.dp
+        return data_parallel_rank(self.mesh, self.degrees), self.degrees.data_parallel
 
     def reports_eval_loss(self) -> bool:
         # One rank per data-parallel group: all ranks of a pipeline and its tensor-parallel peers hold the same loss.

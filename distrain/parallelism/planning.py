@@ -86,10 +86,10 @@ class _Layout:
     pipeline: PipelineStrategy | None = None
 
 
-def _layout(strategy: object, world_size: int) -> _Layout:
+def _layout(strategy: object, world_size: int, ranks_per_node: int | None = None) -> _Layout:
     if isinstance(strategy, (_ComposedModel, _ComposedPipeline)):
         spec = strategy.layout
-        degrees = MeshDegrees.resolve(dp=spec.dp, tp=spec.tp, pp=spec.pp, world_size=world_size)
+        degrees = spec.degrees(world_size, ranks_per_node)
         holds = "shard" if spec.dp_mode == "fsdp" else "replicate"
         tensor = strategy if isinstance(strategy, _ComposedModel) else None
         return _Layout(
@@ -123,13 +123,14 @@ def predict_rank_memory(
     world_size: int,
     precision: PrecisionPolicy,
     workload: Workload,
+    ranks_per_node: int | None = None,
 ) -> list[RankMemory]:
     """Predicted memory of every distinct kind of rank of ``strategy`` (an instantiated ``parallelism`` target) at
     ``world_size`` ranks: one row, or one per pipeline rank. Needs a default process group of ``world_size`` ranks
     (the fake one: no collective runs) for all but DDP, single and ZeRO."""
     if isinstance(strategy, ZeroStrategy):
         return [_zero(strategy, new_model, world_size, precision, workload)]
-    layout = _layout(strategy, world_size)
+    layout = _layout(strategy, world_size, ranks_per_node)
     mesh = None
     if layout.degrees.tp > 1 or layout.degrees.pp > 1 or layout.dp_holds == "shard":
         mesh = build_mesh(layout.degrees, "cpu", "fsdp" if layout.dp_holds == "shard" else "replicate")

@@ -38,7 +38,7 @@ def test_llama_tiny_is_exact_under_every_layout():
     table = rows(done.stdout)
     assert set(table) == {
         "single", "ddp", "fsdp", "zero1", "zero2", "zero3", "tensor", "tensor_sp_lp", "pipeline",
-        "hybrid_dp2_tp2", "hybrid_tp2_pp2",
+        "hsdp_2x2", "hybrid_dp2_tp2", "hybrid_tp2_pp2",
     }  # fmt: skip
     for name, (_, loss, diff, result) in table.items():
         assert result == ("reference" if name == "single" else "pass"), (name, result)

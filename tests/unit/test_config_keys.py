@@ -120,6 +120,7 @@ KEYS = {
         "a multiple of the 2 tensor-parallel ranks",
     ),
     "parallelism.dp": (check("parallelism=hybrid", "parallelism.dp=3"), "product is the world size 2"),
+    "parallelism.dp_replicate": (check("parallelism=hsdp", "parallelism.dp_replicate=0"), "an integer >= 1, or -1"),
     "parallelism.tp": (check("parallelism=hybrid", "parallelism.tp=0"), ">= 1"),
     "parallelism.pp": (check("parallelism=hybrid", "parallelism.pp=0"), ">= 1"),
     "parallelism.dp_mode": (compose("parallelism=hybrid", "parallelism.dp_mode=zero"), "[fsdp, replicate]"),

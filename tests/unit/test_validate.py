@@ -45,7 +45,7 @@ BAD_INPUTS = [
     ("comm=powersgd comm.start_iter=1", "comm.start_iter", ">= 2"),
     ("comm=powersgd comm.rank=0", "comm.rank", ">= 1"),
     ("parallelism=hybrid parallelism.dp=2 parallelism.tp=2", "parallelism.dp", "product is the world size 2"),
-    ("parallelism=hybrid parallelism.tp=3", "parallelism.tp", "dp x tp x pp = world size / (tp x pp) x 3 x 1"),
+    ("parallelism=hybrid parallelism.tp=3", "parallelism.tp", "dp_replicate x tp x pp = 3 does not divide"),
     ("parallelism=hybrid precision=fp16", "precision", "fp32 or bf16 with parallelism=hybrid"),
     ("activation_checkpointing=selective activation_checkpointing_every=0", "activation_checkpointing_every", ">= 1"),
     ("comm=hierarchical comm.ranks_per_node=3", "comm.ranks_per_node", "divisor of the world size (2)"),
@@ -110,7 +110,7 @@ def test_train_py_prints_one_line_and_exits_2(tmp_path, override, needle):
 @pytest.mark.parametrize(
     "override,needle",
     [
-        ("parallelism=warp", "parallelism='warp' is not allowed: one of ddp, fsdp, hybrid, pipeline, single"),
+        ("parallelism=warp", "parallelism='warp' is not allowed: one of ddp, fsdp, hsdp, hybrid, pipeline, single"),
         ("trainer.max_step=5", "trainer.max_step='5' is not allowed: no such key"),
         ("trainer.max_steps=many", "trainer.max_steps='many' is not allowed: Value 'many' of type 'str'"),
         ("distributed.device=tpu", "distributed.device='tpu' is not allowed: Invalid value 'tpu', expected one of"),

@@ -1,0 +1,38 @@
+"""``parallelism=hsdp``: FSDP2 over a 2-D (replicate, shard) mesh trains with DDP's losses and holds half of DDP's
+model state per rank on 4 ranks (2 copies x 2 shards); its default puts one copy on each node."""
+
+import json
+
+import pytest
+from helpers import FAST, REPO, compose_config, run_train
+
+from distrain.parallelism.hybrid import MeshDegrees
+from distrain.validate import ConfigError, validate
+
+pytestmark = pytest.mark.integration
+
+FOUR = [*FAST, "distributed.nproc_per_node=4", "trainer.max_steps=4", "trainer.log_every=1"]
+
+
+def run(tmp_path, name, *overrides):
+    done = run_train([*FOUR, *overrides, f"hydra.run.dir={tmp_path / name}"], cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    return [r["loss"] for r in records if "loss" in r], summary["model_state_bytes"]["total"]
+
+
+def test_hsdp_on_2x2_has_ddps_losses_and_half_its_model_state(tmp_path):
+    hsdp_losses, hsdp_state = run(
+        tmp_path, "hsdp", "parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"
+    )
+    ddp_losses, ddp_state = run(tmp_path, "ddp", "parallelism=ddp")
+    assert len(hsdp_losses) == 4 and max(abs(a - b) for a, b in zip(hsdp_losses, ddp_losses, strict=True)) < 1e-3
+    assert abs(hsdp_state / ddp_state - 0.5) < 0.01, (hsdp_state, ddp_state)
+
+
+def test_the_default_is_one_copy_per_node():
+    assert MeshDegrees.resolve(dp=-1, tp=1, pp=1, world_size=16, replicate=-1, ranks_per_node=8).replicate == 2
+    assert MeshDegrees.resolve(dp=-1, tp=1, pp=1, world_size=16, replicate=-1, ranks_per_node=8).dp == 8
+    with pytest.raises(ConfigError, match="parallelism.dp.*product is the world size 2"):
+        validate(compose_config([*FAST, "parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"]))
