@@ -140,7 +140,9 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     if cfg.parallelism.name == "tensor":
         validate_tensor(cfg, world_size)
     if cfg.parallelism.name in HYBRID_PRESETS:
-        validate_hybrid(cfg, world_size, ranks_per_node=nproc)
+        # Under an outer launcher the ranks of a node are its LOCAL_WORLD_SIZE, as the strategy will see them.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if inside_launcher() and not target else nproc
+        validate_hybrid(cfg, world_size, ranks_per_node=local)
     validate_data_fits(cfg, world_size)  # after the degrees are known to be valid
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
 
@@ -268,24 +270,14 @@ def _validate_dataset(cfg: DictConfig) -> None:
         raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
 
 
-def data_parallel_degree(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> int:
-    """Ranks reading different data: all of them for ddp, zero, fsdp; none for tensor and pipeline; dp for hybrid."""
+def data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
+    """Ranks reading different data: all of them for ddp, zero, fsdp; none for tensor and pipeline; dp_replicate x
+    dp for hybrid and hsdp."""
     name = cfg.parallelism.name
     if name in ("tensor", "pipeline"):
         return 1
-    if name in HYBRID_PRESETS:
-        from distrain.parallelism.hybrid import MeshDegrees
-
-        hybrid = cfg.parallelism
-        degrees = MeshDegrees.resolve(
-            dp=hybrid.dp,
-            tp=hybrid.tp,
-            pp=hybrid.pp,
-            world_size=world_size,
-            replicate=hybrid.dp_replicate,
-            ranks_per_node=ranks_per_node,
-        )
-        return degrees.data_parallel
+    if name in HYBRID_PRESETS:  # the replicas times the ranks sharding each: all but the model-parallel axes
+        return world_size // (cfg.parallelism.tp * cfg.parallelism.pp)
     return world_size
 
 

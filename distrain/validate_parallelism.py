@@ -230,7 +230,7 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
         check(cfg, "parallelism.dp", at_least(1), "an integer >= 1, or -1 for world size / (dp_replicate x tp x pp)")
     if hybrid.dp_replicate != -1:
         check(cfg, "parallelism.dp_replicate", at_least(1), "an integer >= 1, or -1 for one per node")
-    if hybrid.dp_replicate not in (-1, 1) and hybrid.dp_mode != "fsdp":
+    if hybrid.dp_replicate != 1 and hybrid.dp_mode != "fsdp":
         raise ConfigError("parallelism.dp_replicate", hybrid.dp_replicate, "1 with dp_mode=replicate (use dp)")
     from distrain.parallelism.hybrid import MeshDegrees
 
@@ -245,6 +245,8 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
         )
     except ValueError as err:
         key, value = ("parallelism.dp", hybrid.dp) if hybrid.dp != -1 else ("parallelism.tp", hybrid.tp)
+        if hybrid.dp == -1 and hybrid.dp_replicate not in (-1, 1):
+            key, value = "parallelism.dp_replicate", hybrid.dp_replicate
         raise ConfigError(key, value, f"degrees whose product is the world size {world_size}: {err}") from None
     if cfg.precision.compute_dtype == "float16":
         raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=hybrid (no loss scaler)")

@@ -50,8 +50,8 @@ class MeshDegrees:
     ) -> MeshDegrees:
         """The degrees for ``world_size`` ranks (``ranks_per_node`` resolves ``replicate=-1``); ValueError names
         the mismatch."""
-        if replicate == -1:
-            replicate = max(1, world_size // (ranks_per_node or world_size))
+        if replicate == -1:  # one copy per node, or per model copy when one spans several nodes
+            replicate = max(1, world_size // max(ranks_per_node or world_size, tp * pp))
         if dp == -1:
             if world_size % (tp * pp * replicate):
                 raise ValueError(
@@ -215,7 +215,7 @@ class _ComposedModel(TensorParallelStrategy):
         )
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
-        if self.degrees.dp > 1:
+        if self.degrees.data_parallel > 1:  # FSDP-wrapped: a dp group, replicas, or both
             self.model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 

@@ -36,3 +36,13 @@ def test_the_default_is_one_copy_per_node():
     assert MeshDegrees.resolve(dp=-1, tp=1, pp=1, world_size=16, replicate=-1, ranks_per_node=8).dp == 8
     with pytest.raises(ConfigError, match="parallelism.dp.*product is the world size 2"):
         validate(compose_config([*FAST, "parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"]))
+
+
+def test_two_nodes_with_the_shard_degree_set_plan_in_one_line_or_fit():
+    from distrain.dry_run import plan
+
+    two_nodes = [*FAST, "dry_run=true", "target.nodes=2", "target.ranks_per_node=4", "parallelism=hsdp"]
+    report = plan(compose_config([*two_nodes, "parallelism.dp=4"]))  # 2 copies (one per node) x 4 shards
+    assert report.fits
+    with pytest.raises(ConfigError, match="parallelism.dp_replicate=-1 is not allowed: 1 with dp_mode=replicate"):
+        plan(compose_config([*two_nodes, "parallelism.dp_mode=replicate"]))
