@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,22 @@ FAST = [
     "checkpoint=none",
     "logger=none",
 ]
+
+
+def run_readme_bash_block(
+    first_line: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """Run, as written, the README's one bash block starting with ``first_line``, from ``cwd`` (a scratch directory,
+    not the checkout): only ``python`` becomes this interpreter and ``train.py`` its path in the repository."""
+    readme = (REPO / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if b.startswith(first_line)]
+    assert len(blocks) == 1, f"README must hold one bash block starting with {first_line!r}"
+    block = blocks[0].replace("python train.py", f"python {REPO / 'train.py'}").replace("python ", f"{sys.executable} ")
+    paths = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + block],
+        cwd=cwd, env={**os.environ, **paths, **(env or {})}, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
 
 
 def write_token_dataset(directory: Path, splits: dict[str, list[np.ndarray]], vocab_size: int = 256) -> Path:

@@ -2,30 +2,15 @@
 train llama_tiny on it, and sample from the checkpoint with the tokenizer stored beside the data."""
 
 import json
-import os
-import re
-import subprocess
-import sys
 
 import pytest
-from helpers import REPO
+from helpers import run_readme_bash_block
 
 pytestmark = pytest.mark.integration
 
 
-def readme_data_block() -> str:
-    readme = (REPO / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if b.startswith("# your corpus:")]
-    assert len(blocks) == 1, "README must hold one bash block starting with '# your corpus:'"
-    return blocks[0]
-
-
 def test_the_readme_data_block_runs_as_written(tmp_path):
-    # Run in a scratch directory, not the checkout: train.py by its path, data/ and outputs/ under tmp_path.
-    block = readme_data_block().replace("python train.py", f"python {REPO / 'train.py'}")
-    script = "set -euo pipefail\n" + block.replace("python ", f"{sys.executable} ")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    done = run_readme_bash_block("# your corpus:", cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     index = json.loads((tmp_path / "data" / "stdlib_bpe" / "train.json").read_text())
     assert index["vocab_size"] == 4096 and index["tokenizer"] == "tokenizer.json"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,8 +76,9 @@ def check_config(cfg: DictConfig) -> None:
         )
 
 
-def check_init_from(cfg: DictConfig) -> None:
-    """``model.init_from`` is a directory of Hugging Face weights that fit the configured sizes."""
+def check_init_from(cfg: DictConfig, same_architecture: Callable[[DictConfig, Path], None] | None = None) -> None:
+    """``model.init_from`` is a directory of Hugging Face weights that fit the configured sizes, saved with the
+    configured settings (``same_architecture``: the family's check of them; default the Llama one)."""
     from hydra.utils import instantiate
 
     from distrain.models.hf_weights import weights_problem
@@ -89,7 +91,7 @@ def check_init_from(cfg: DictConfig) -> None:
     problem = weights_problem(model, path)
     if problem:
         raise ConfigError("model.init_from", str(path), f"Hugging Face weights that fit this config: {problem}")
-    check_same_architecture(cfg, path)
+    (same_architecture or check_same_architecture)(cfg, path)
 
 
 def check_same_architecture(cfg: DictConfig, path: Path) -> None:

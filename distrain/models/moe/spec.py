@@ -16,6 +16,7 @@ from torch import nn
 
 from distrain.config_checks import ConfigError, at_least, check
 from distrain.models.llama.spec import check_config as check_llama_config
+from distrain.models.llama.spec import check_init_from as check_llama_init_from
 from distrain.models.moe.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ModelSpec
 
@@ -93,25 +94,7 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("load_balance_coef", "z_loss_coef"):
         check(cfg, f"model.{key}", at_least(0), "a number >= 0")
     if init_from:
-        check_init_from(cfg)
-
-
-def check_init_from(cfg: DictConfig) -> None:
-    """``model.init_from`` is a directory of Hugging Face Mixtral weights that fit the configured sizes, saved with
-    the configured architecture (as the Llama family's check of the same name)."""
-    from hydra.utils import instantiate
-
-    from distrain.models.hf_weights import weights_problem
-
-    path = Path(cfg.model.init_from)
-    if not path.is_dir():
-        raise ConfigError("model.init_from", str(path), "a local Hugging Face model directory (no such directory)")
-    with torch.device("meta"):
-        model = instantiate(cfg.model, init_from=None)
-    problem = weights_problem(model, path)
-    if problem:
-        raise ConfigError("model.init_from", str(path), f"Hugging Face weights that fit this config: {problem}")
-    check_same_architecture(cfg, path)
+        check_llama_init_from(cfg, same_architecture=check_same_architecture)
 
 
 def check_same_architecture(cfg: DictConfig, path: Path) -> None:
