@@ -184,6 +184,8 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         run_dir, run_name, run_group = shared
         configure_logging(env.rank, Path(run_dir) / "train.log")
         run = build(cfg, env, run_dir)
+        if env.is_main:
+            log.info(run.data.sampler.describe(cfg.data.seq_len))
         state = TrainState()
         run.checkpointer.resume = resume_setting(run.checkpointer.resume)
         resume_from = run.checkpointer.resume_path()
@@ -229,7 +231,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
             "parallelism": run.strategy.name,
             "precision": cfg.precision.name,
             "model_parameters": run.model_parameters,
-            "global_batch_size": run.data.sampler.global_batch_size,
+            **run.data.sampler.batch_settings(),
             # The ZeRO formulas cover data-parallel layouts; model-parallel ones are planned by dry_run=true.
             "predicted_model_state_bytes": None
             if run.strategy.name not in ("single", "ddp", "zero", "fsdp")

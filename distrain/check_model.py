@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Keys the check sets for every layout; a user override of one would be silently replaced.
 OWNED = (
     "parallelism", "stage", "precision", "distributed.nproc_per_node", "data.micro_batch_size",
-    "trainer.grad_accum_steps", "trainer.max_steps", "checkpoint", "logger", "hydra",
+    "data.global_batch_size", "trainer.grad_accum_steps", "trainer.max_steps", "checkpoint", "logger", "hydra",
 )  # fmt: skip
 SEQUENCES = 4  # sequences per micro-step, over all data-parallel ranks
 ACCUMULATION = 2  # micro-steps per optimizer step

@@ -133,6 +133,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         problem = backend_problem(cfg.compile_backend, device_type)
         if problem:
             raise ConfigError("compile_backend", cfg.compile_backend, problem)
+    derive_accumulation(cfg, world_size)  # before the pipeline checks, which divide the step's sequences
     validate_comm(cfg, world_size)
     validate_sharding(cfg, device_type)
     if cfg.parallelism.name == "pipeline":
@@ -279,6 +280,40 @@ def data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
     if name in HYBRID_PRESETS:  # the replicas times the ranks sharding each: all but the model-parallel axes
         return world_size // (cfg.parallelism.tp * cfg.parallelism.pp)
     return world_size
+
+
+def derive_accumulation(cfg: DictConfig, world_size: int) -> None:
+    """With ``data.global_batch_size`` set, write ``trainer.grad_accum_steps`` = global batch / (micro-batch x
+    data-parallel degree) into ``cfg``: the same sequences per optimizer step under any layout. A value the layout
+    cannot divide, or an accumulation set by hand to another number, is a ConfigError."""
+    wanted = cfg.data.get("global_batch_size")
+    if wanted is None:
+        return
+    check(cfg, "data.global_batch_size", at_least(1), "an integer >= 1 (sequences per optimizer step), or null")
+    check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1")
+    hybrid = cfg.parallelism
+    if hybrid.name in HYBRID_PRESETS and not all(
+        isinstance(hybrid[axis], int) and hybrid[axis] >= 1 for axis in ("tp", "pp")
+    ):
+        return  # validate_hybrid names the bad degree
+    data_parallel = max(1, data_parallel_degree(cfg, world_size))
+    per_micro_step = cfg.data.micro_batch_size * data_parallel
+    if wanted % per_micro_step:
+        raise ConfigError(
+            "data.global_batch_size",
+            wanted,
+            f"a multiple of data.micro_batch_size x the data-parallel degree = {cfg.data.micro_batch_size} x "
+            f"{data_parallel} = {per_micro_step} sequences per micro-step with parallelism={hybrid.name} on "
+            f"{world_size} ranks",
+        )
+    accumulation = wanted // per_micro_step
+    if cfg.trainer.grad_accum_steps not in (1, accumulation):
+        raise ConfigError(
+            "trainer.grad_accum_steps",
+            cfg.trainer.grad_accum_steps,
+            f"1 (derived) or {accumulation} with data.global_batch_size={wanted} on this layout",
+        )
+    cfg.trainer.grad_accum_steps = accumulation
 
 
 def validate_data_fits(cfg: DictConfig, world_size: int) -> GlobalBatchSampler:

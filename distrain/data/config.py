@@ -29,7 +29,10 @@ class SyntheticCorpusConfig:
 
 @dataclass(kw_only=True)
 class StdlibDataConfig:
-    micro_batch_size: int = 8  # sequences per rank per micro-step
+    micro_batch_size: int = 8  # sequences per data-parallel rank per micro-step
+    # Sequences per optimizer step over all ranks (null: micro_batch_size x grad_accum_steps x data-parallel
+    # degree). When set, trainer.grad_accum_steps is derived from it and the layout, so a layout change keeps it.
+    global_batch_size: int | None = None
     seq_len: int = 128  # tokens per sequence (at most model.max_seq_len)
     corpus: StdlibCorpusConfig = field(default_factory=StdlibCorpusConfig)
 
@@ -37,6 +40,7 @@ class StdlibDataConfig:
 @dataclass(kw_only=True)
 class SyntheticDataConfig:
     micro_batch_size: int = 8
+    global_batch_size: int | None = None
     seq_len: int = 128
     corpus: SyntheticCorpusConfig = field(default_factory=SyntheticCorpusConfig)
 
@@ -54,6 +58,7 @@ class TokensDataConfig:
     """A tokenised dataset on disk: ``python -m distrain.data.prepare``'s output, or nanoGPT's train.bin/val.bin."""
 
     micro_batch_size: int = 8
+    global_batch_size: int | None = None
     seq_len: int = 128
     path: str = MISSING  # the dataset directory
     verify_checksums: bool = True  # SHA-256 of every shard against its index before any rank starts

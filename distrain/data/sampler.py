@@ -117,6 +117,23 @@ class GlobalBatchSampler:
         self.samples_in_epoch += self.global_batch_size
         return list(layout[:, self.dp_rank])
 
+    def batch_settings(self) -> dict[str, int]:
+        """The global batch and the factors it is made of (for the start-up line and ``summary.json``)."""
+        return {
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "data_parallel": self.dp_size,
+        }
+
+    def describe(self, seq_len: int) -> str:
+        """One line: the global batch as micro-batch x accumulation x data-parallel degree, in tokens too."""
+        return (
+            f"global batch {self.global_batch_size} sequences = micro-batch {self.micro_batch_size} x accumulation "
+            f"{self.grad_accum_steps} x data-parallel {self.dp_size} ({self.global_batch_size * seq_len:,} tokens "
+            "per step)"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The position as (epoch, samples consumed in it): valid for any batch layout, so a job resumed on a
         different number of ranks, or with another micro-batch split, continues with the next unseen sample."""

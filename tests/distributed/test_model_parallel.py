@@ -70,8 +70,7 @@ HYBRID = {  # 4 ranks; (overrides, data-parallel degree)
         2,
     ),
     "dp2_tp2_replicate": (["parallelism=hybrid", "parallelism.tp=2", "parallelism.dp_mode=replicate"], 2),
-    "tp2_pp2": (["parallelism=hybrid", "parallelism.tp=2", "parallelism.pp=2", "parallelism.schedule=gpipe"], 1),
-}
+}  # tp x pp: tests/integration/test_hybrid_3d.py (dp x tp x pp) and check_model's hybrid_tp2_pp2
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +90,7 @@ def single_with_two_replicas_batch():
 
 @pytest.mark.parametrize("layout", list(HYBRID))
 def test_hybrid_mesh_follows_single_process_training(single, single_with_two_replicas_batch, hybrid, layout):
-    """dp x tp, dp x pp and tp x pp on 4 ranks: the mean loss over ranks follows one process with the same global
+    """dp x tp and dp x pp on 4 ranks: the mean loss over ranks follows one process with the same global
     batch; tensor and pipeline peers report identical losses."""
     dp = HYBRID[layout][1]
     reference = single_with_two_replicas_batch if dp == 2 else single

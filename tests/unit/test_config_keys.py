@@ -65,6 +65,7 @@ KEYS = {
     "model.load_balance_coef": (check("model=moe_tiny", "model.load_balance_coef=-1"), ">= 0"),
     "model.z_loss_coef": (check("model=moe_tiny", "model.z_loss_coef=-1"), ">= 0"),
     "data.micro_batch_size": (check("data.micro_batch_size=0"), ">= 1"),
+    "data.global_batch_size": (check("data.global_batch_size=6"), "a multiple of data.micro_batch_size"),
     "data.seq_len": (check("data.seq_len=64"), "1..model.max_seq_len (32)"),
     "data.corpus.max_bytes": (check("data.corpus.max_bytes=0"), ">= 1"),
     "data.corpus.val_fraction": (check("data.corpus.val_fraction=0.9"), "(0, 0.5]"),
