@@ -278,7 +278,7 @@ def data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
     if name in ("tensor", "pipeline"):
         return 1
     if name in HYBRID_PRESETS:  # the replicas times the ranks sharding each: all but the model-parallel axes
-        return world_size // (cfg.parallelism.tp * cfg.parallelism.pp)
+        return world_size // (cfg.parallelism.tp * cfg.parallelism.pp * cfg.parallelism.get("cp", 1))
     return world_size
 
 
@@ -293,7 +293,7 @@ def derive_accumulation(cfg: DictConfig, world_size: int) -> None:
     check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1")
     hybrid = cfg.parallelism
     if hybrid.name in HYBRID_PRESETS and not all(
-        isinstance(hybrid[axis], int) and hybrid[axis] >= 1 for axis in ("tp", "pp")
+        isinstance(hybrid[axis], int) and hybrid[axis] >= 1 for axis in ("tp", "pp", "cp")
     ):
         return  # validate_hybrid names the bad degree
     data_parallel = max(1, data_parallel_degree(cfg, world_size))

@@ -226,6 +226,7 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
     hybrid = cfg.parallelism
     check(cfg, "parallelism.tp", at_least(1), "an integer >= 1")
     check(cfg, "parallelism.pp", at_least(1), "an integer >= 1")
+    check(cfg, "parallelism.cp", at_least(1), "an integer >= 1")
     if hybrid.dp != -1:
         check(cfg, "parallelism.dp", at_least(1), "an integer >= 1, or -1 for world size / (dp_replicate x tp x pp)")
     if hybrid.dp_replicate != -1:
@@ -242,14 +243,19 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
             world_size=world_size,
             replicate=hybrid.dp_replicate,
             ranks_per_node=ranks_per_node,
+            cp=hybrid.cp,
         )
     except ValueError as err:
         key, value = ("parallelism.dp", hybrid.dp) if hybrid.dp != -1 else ("parallelism.tp", hybrid.tp)
         if hybrid.dp == -1 and hybrid.dp_replicate not in (-1, 1):
             key, value = "parallelism.dp_replicate", hybrid.dp_replicate
+        elif hybrid.dp == -1 and hybrid.cp > 1 and (world_size % hybrid.cp or hybrid.tp == 1):
+            key, value = "parallelism.cp", hybrid.cp
         raise ConfigError(key, value, f"degrees whose product is the world size {world_size}: {err}") from None
     if cfg.precision.compute_dtype == "float16":
         raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=hybrid (no loss scaler)")
+    if hybrid.cp > 1:
+        validate_context(cfg, hybrid.cp)
     if hybrid.tp > 1:
         validate_tensor(cfg, hybrid.tp)
     if hybrid.pp == 1 and hybrid.activation_checkpointing:
@@ -263,3 +269,26 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
                 raise ConfigError(f"parallelism.{option}", True, "false with parallelism.pp > 1 (whole models only)")
     if cfg.checkpoint.async_save:
         raise ConfigError("checkpoint.async_save", True, "false with parallelism=hybrid")
+
+
+def validate_context(cfg: DictConfig, cp: int) -> None:
+    """Context parallelism: a model whose spec has context-parallel attention, sequences cut into 2 x cp equal
+    chunks, whole models sharded by FSDP (no pipeline, no replicate mode, no sequence-parallel split of its own)."""
+    hybrid = cfg.parallelism
+    if hybrid.pp > 1:
+        raise ConfigError("parallelism.pp", hybrid.pp, "1 with parallelism.cp > 1 (cp splits whole models' inputs)")
+    if hybrid.dp_mode != "fsdp":
+        raise ConfigError("parallelism.dp_mode", "replicate", "fsdp with parallelism.cp > 1")
+    if hybrid.sequence_parallel:
+        raise ConfigError("parallelism.sequence_parallel", True, "false with parallelism.cp > 1")
+    _, spec = meta_model(cfg)
+    if spec.context_parallel is None:
+        raise ConfigError(
+            "parallelism.cp", cp, f"1 for {spec.label}: its spec has no context-parallel attention (context_parallel)"
+        )
+    if cfg.data.seq_len % (2 * cp):
+        raise ConfigError(
+            "data.seq_len",
+            cfg.data.seq_len,
+            f"a multiple of 2 x parallelism.cp = {2 * cp} (each cp rank holds an early and a late chunk)",
+        )

@@ -24,6 +24,8 @@ The pieces a spec names:
   loss the model computed, e.g. a mixture of experts' load balancing, added to the objective but not reported as the
   loss), ``metrics`` (values to log after a step, e.g. tokens per expert), and ``to_hf``/``from_hf`` (state-dict
   renaming to and from the family's Hugging Face counterpart).
+- ``context_parallel``: ``(model, context)`` turns on exact context-parallel attention in every attention module of
+  the model (or pipeline stage), given a ``distrain.parallelism.context.ContextParallel``; None: the family has none.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class ModelSpec:
     to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     from_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     hf_config: Callable[[nn.Module], Any] | None = None  # the transformers config describing a model of the family
+    # Turns on context-parallel attention in every attention module, given a ContextParallel (Any: no import cycle).
+    context_parallel: Callable[[nn.Module, Any], None] | None = None
 
     @property
     def label(self) -> str:

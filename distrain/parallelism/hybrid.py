@@ -17,15 +17,20 @@ gradient clipping's norm reductions over each axis. Ranks with the same ``dp`` c
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distrain.parallelism.base import StrategyContext
+from distrain.data.sampler import Batch
+from distrain.models.spec import spec_of
+from distrain.parallelism.base import StepResult, StrategyContext
+from distrain.parallelism.context import ContextParallel, shard_sequence
 from distrain.parallelism.fsdp import shard_blocks_and_root
 from distrain.parallelism.pipeline import PipelineStrategy
 from distrain.parallelism.tensor import TensorParallelStrategy, parallelize_model
@@ -43,27 +48,38 @@ class MeshDegrees:
     dp: int
     tp: int
     replicate: int = 1
+    cp: int = 1
 
     @classmethod
     def resolve(
-        cls, *, dp: int, tp: int, pp: int, world_size: int, replicate: int = 1, ranks_per_node: int | None = None
+        cls,
+        *,
+        dp: int,
+        tp: int,
+        pp: int,
+        world_size: int,
+        replicate: int = 1,
+        ranks_per_node: int | None = None,
+        cp: int = 1,
     ) -> MeshDegrees:
         """The degrees for ``world_size`` ranks (``ranks_per_node`` resolves ``replicate=-1``); ValueError names
         the mismatch."""
+        model_copy = tp * pp * cp  # the ranks that hold one copy of the model and read one batch
         if replicate == -1:  # one copy per node, or per model copy when one spans several nodes
-            replicate = max(1, world_size // max(ranks_per_node or world_size, tp * pp))
+            replicate = max(1, world_size // max(ranks_per_node or world_size, model_copy))
         if dp == -1:
-            if world_size % (tp * pp * replicate):
+            if world_size % (model_copy * replicate):
                 raise ValueError(
-                    f"dp_replicate x tp x pp = {replicate * tp * pp} does not divide the world size {world_size}"
+                    f"dp_replicate x cp x tp x pp = {replicate * model_copy} does not divide the world size "
+                    f"{world_size}"
                 )
-            dp = world_size // (tp * pp * replicate)
-        if replicate * dp * tp * pp != world_size:
+            dp = world_size // (model_copy * replicate)
+        if replicate * dp * model_copy != world_size:
             raise ValueError(
-                f"dp_replicate x dp x tp x pp = {replicate} x {dp} x {tp} x {pp} = {replicate * dp * tp * pp}, "
-                f"not the world size {world_size}"
+                f"dp_replicate x dp x cp x tp x pp = {replicate} x {dp} x {cp} x {tp} x {pp} = "
+                f"{replicate * dp * model_copy}, not the world size {world_size}"
             )
-        return cls(pp=pp, dp=dp, tp=tp, replicate=replicate)
+        return cls(pp=pp, dp=dp, tp=tp, replicate=replicate, cp=cp)
 
     @property
     def data_parallel(self) -> int:
@@ -75,14 +91,18 @@ def build_mesh(degrees: MeshDegrees, device_type: str, dp_mode: str = "fsdp") ->
     """The (pp, dp, tp) mesh over all ranks (collective: creates one process group per axis slice). With
     ``dp_mode="replicate"`` a ``dp_shard`` axis of size 1 follows ``dp``: FSDP2 over (dp, dp_shard) replicates over
     ``dp`` and shards over nothing. With ``degrees.replicate > 1`` a ``dp_replicate`` axis precedes ``dp``: FSDP2 over
-    (dp_replicate, dp) shards within each ``dp`` group and replicates across them (HSDP)."""
+    (dp_replicate, dp) shards within each ``dp`` group and replicates across them (HSDP). With ``degrees.cp > 1`` a
+    ``cp`` axis sits between ``dp`` and ``tp``, and ``dp`` x ``cp`` is also flattened into ``dp_cp``: the ranks
+    FSDP shards over (the cp ranks of a batch hold one model copy, so their gradients are averaged too)."""
     if dp_mode == "replicate":
         shape, names = (degrees.pp, degrees.dp, 1, degrees.tp), ("pp", "dp", "dp_shard", "tp")
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    if degrees.replicate > 1:
-        shape, names = (degrees.pp, degrees.replicate, degrees.dp, degrees.tp), ("pp", "dp_replicate", "dp", "tp")
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    return init_device_mesh(device_type, (degrees.pp, degrees.dp, degrees.tp), mesh_dim_names=AXES)
+    axes = [("pp", degrees.pp), ("dp_replicate", degrees.replicate), ("dp", degrees.dp), ("cp", degrees.cp)]
+    axes = [(name, size) for name, size in axes if size > 1 or name in AXES] + [("tp", degrees.tp)]
+    mesh = init_device_mesh(device_type, tuple(size for _, size in axes), mesh_dim_names=tuple(n for n, _ in axes))
+    if degrees.cp > 1:
+        mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh
 
 
 def compose(
@@ -99,12 +119,13 @@ def compose(
     for pipeline stages)."""
     if degrees.tp > 1:
         parallelize_model(module, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    shard = "dp_cp" if degrees.cp > 1 else "dp"  # the ranks sharing one model copy's parameters
     if degrees.dp > 1 and "dp_shard" in (mesh.mesh_dim_names or ()):
         shard_blocks_and_root(module, mesh["dp", "dp_shard"], precision, stage=2)
     elif degrees.replicate > 1:  # HSDP: gradients reduce-scattered within dp, then all-reduced across replicas
-        shard_blocks_and_root(module, mesh["dp_replicate", "dp"], precision, stage=stage)
-    elif degrees.dp > 1:
-        shard_blocks_and_root(module, mesh["dp"], precision, stage=stage)
+        shard_blocks_and_root(module, mesh["dp_replicate", shard], precision, stage=stage)
+    elif degrees.dp * degrees.cp > 1:
+        shard_blocks_and_root(module, mesh[shard], precision, stage=stage)
     return module
 
 
@@ -118,6 +139,7 @@ class HybridLayout:
     dp_mode: str
     fsdp_stage: int
     dp_replicate: int = 1
+    cp: int = 1
 
     def degrees(self, world_size: int, ranks_per_node: int | None) -> MeshDegrees:
         return MeshDegrees.resolve(
@@ -127,6 +149,7 @@ class HybridLayout:
             world_size=world_size,
             replicate=self.dp_replicate,
             ranks_per_node=ranks_per_node,
+            cp=self.cp,
         )
 
     def build(
@@ -150,6 +173,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     dp: int,
     tp: int,
     pp: int,
+    cp: int = 1,
     stage: int,
     dp_mode: str,
     sequence_parallel: bool,
@@ -169,6 +193,8 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
         dp: data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x tp x pp).
         tp: tensor-parallel degree (heads and MLP units split).
         pp: pipeline-parallel degree (stages).
+        cp: context-parallel degree: every sequence split over ``cp`` ranks, load-balanced
+            (``distrain.parallelism.context``); ``pp == 1`` only.
         stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees them.
         dp_mode: ``fsdp`` shards parameters, gradients and optimizer state over dp (reduce-scatter of gradients);
             ``replicate`` keeps them whole on every dp rank and all-reduces gradients once per step: DDP's
@@ -178,7 +204,9 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
         schedule, microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's, as in
             ``parallelism=pipeline``.
     """
-    layout = HybridLayout(dp=dp, tp=tp, pp=pp, dp_mode=dp_mode, fsdp_stage=stage, dp_replicate=dp_replicate)
+    layout = HybridLayout(
+        dp=dp, tp=tp, pp=pp, dp_mode=dp_mode, fsdp_stage=stage, dp_replicate=dp_replicate, cp=cp
+    )  # fmt: skip
     if pp > 1:
         return _ComposedPipeline(
             layout,
@@ -204,6 +232,10 @@ class _ComposedModel(TensorParallelStrategy):
         super().setup(model, ctx)
 
     def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
+        if self.degrees.cp > 1:
+            cp_axis = self.mesh["cp"]
+            context = ContextParallel(cp_axis.get_group(), self.degrees.cp, cp_axis.get_local_rank())
+            spec_of(model).context_parallel(model, context)
         return compose(
             model,
             self.mesh,
@@ -214,8 +246,23 @@ class _ComposedModel(TensorParallelStrategy):
             self.loss_parallel,
         )
 
+    def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
+        return super().train_step([self._local_part(batch) for batch in micro_batches])
+
+    def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        return super().eval_loss(self._local_part(batch))
+
+    def _local_part(self, batch: Batch) -> Batch:
+        """This cp rank's load-balanced share of every sequence of ``batch`` (the whole batch when cp == 1): the
+        cp ranks of a batch each hold as many tokens, so the loss normalised by local tokens and averaged by FSDP
+        over dp x cp is the global token mean."""
+        if self.degrees.cp == 1:
+            return batch
+        cp, rank = self.degrees.cp, self.mesh["cp"].get_local_rank()
+        return Batch(shard_sequence(batch.inputs, cp, rank), shard_sequence(batch.targets, cp, rank))
+
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
-        if self.degrees.data_parallel > 1:  # FSDP-wrapped: a dp group, replicas, or both
+        if self.degrees.data_parallel * self.degrees.cp > 1:  # FSDP-wrapped: dp, cp, replicas, or several
             self.model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 

@@ -35,7 +35,9 @@ def test_a_layout_change_keeps_the_training_and_the_run_states_its_batch(tmp_pat
         summaries[name] = json.loads((run_dir / "summary.json").read_text())
         log = (run_dir / "train.log").read_text()
         _, accumulation, data_parallel = LAYOUTS[name]
-        line = f"global batch 16 sequences = micro-batch 4 x accumulation {accumulation} x data-parallel {data_parallel}"
+        line = (
+            f"global batch 16 sequences = micro-batch 4 x accumulation {accumulation} x data-parallel {data_parallel}"
+        )
         assert line in log, log[-2000:]
         assert {key: summaries[name][key] for key in ("global_batch_size", "grad_accum_steps", "data_parallel")} == {
             "global_batch_size": 16,

@@ -7,7 +7,7 @@ built on the meta device and materialised later needs nothing but ``reset_parame
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,9 @@ from torch import Tensor, nn
 
 from distrain.models.hf_weights import load_hf_weights
 from distrain.models.llama.spec import LLAMA_SPEC
+
+if TYPE_CHECKING:
+    from distrain.parallelism.context import ContextParallel
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -82,7 +85,9 @@ class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings.
 
     The number of heads is read from the projections' output width in ``forward``, so a tensor-parallel shard holding
-    ``n_heads / tp`` query heads and ``n_kv_heads / tp`` kv heads runs this code unchanged.
+    ``n_heads / tp`` query heads and ``n_kv_heads / tp`` kv heads runs this code unchanged. ``context``, set by the
+    spec's ``context_parallel`` hook, makes the input this rank's load-balanced share of every sequence: RoPE then
+    uses the tokens' global positions and attention gathers the other ranks' keys and values.
     """
 
     def __init__(
@@ -102,28 +107,39 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        self.context: ContextParallel | None = None
 
-    def _rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling, device)
-        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling, positions.device)
+        positions = positions.to(torch.float32)
         # An elementwise outer product, not a matmul, so autocast cannot drop the angles to low precision.
         freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        """Attend over ``x`` (batch, seq, d_model) on its device; returns (batch, seq, d_model)."""
+        """Attend over ``x`` (batch, seq, d_model) on its device; returns (batch, seq, d_model).
+
+        With ``context`` set, ``seq`` is this rank's share of the sequence and the context's all-gather of keys and
+        values runs over its group (an all-to-all in backward); without it no collective runs.
+        """
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        cos, sin = self._rope(seq, x.device, q.dtype)
+        context = self.context
+        positions = torch.arange(seq, device=x.device) if context is None else context.positions(seq, x.device)
+        cos, sin = self._rope(positions, q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if context is not None:  # gathers the kv heads before repetition: n_rep times fewer bytes
+            out = context.attend(q, k, v, n_rep=self.n_rep, scale=scale)
+            return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
         # Query head j reads kv head j // n_rep, as in Hugging Face's repeat_kv.
         k = k.repeat_interleave(self.n_rep, dim=1)
         v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(self.head_dim))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

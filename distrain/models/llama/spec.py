@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -132,6 +133,16 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return float(6 * matmul_weights + attention)
 
 
+def enable_context_parallel(model: nn.Module, context: Any) -> None:
+    """Make every attention module of ``model`` (or of a pipeline stage) attend with ``context``, a
+    ``distrain.parallelism.context.ContextParallel``: the model then takes this rank's load-balanced share of each
+    sequence. Attention modules are found by what they hold (``context`` and ``n_rep``), so the mixture of experts'
+    blocks, which reuse Llama's attention, are found too."""
+    for module in model.modules():
+        if hasattr(module, "context") and hasattr(module, "n_rep"):
+            module.context = context
+
+
 LLAMA_SPEC = ModelSpec(
     name="llama",
     blocks="layers",
@@ -147,4 +158,5 @@ LLAMA_SPEC = ModelSpec(
     to_hf=to_hf,
     from_hf=from_hf,
     hf_config=hf_config,
+    context_parallel=enable_context_parallel,
 )

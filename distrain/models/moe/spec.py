@@ -17,6 +17,7 @@ from torch import nn
 from distrain.config_checks import ConfigError, at_least, check
 from distrain.models.llama.spec import check_config as check_llama_config
 from distrain.models.llama.spec import check_init_from as check_llama_init_from
+from distrain.models.llama.spec import enable_context_parallel
 from distrain.models.moe.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ModelSpec
 
@@ -132,4 +133,5 @@ MOE_SPEC = ModelSpec(
     to_hf=to_hf,
     from_hf=from_hf,
     hf_config=hf_config,
+    context_parallel=enable_context_parallel,  # Llama's attention, so Llama's context parallelism
 )
