@@ -127,6 +127,7 @@ class HybridConfig:
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline stages (ranks); with pp > 1 the pipeline keys below apply
     cp: int = 1  # context-parallel degree: every sequence split over cp ranks (pp = 1 only)
+    ep: int = 1  # expert-parallel degree: a model's experts split over ep of the dp ranks (ep divides dp)
     stage: int = "${stage_or:3}"  # FSDP on dp: 2 keeps gathered parameters forward to backward; 3 reshards
     dp_mode: DataParallelMode = DataParallelMode.fsdp  # replicate: whole copies, gradients all-reduced
     sequence_parallel: bool = False  # as in parallelism=tensor (pp=1 only)

@@ -227,6 +227,7 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
     check(cfg, "parallelism.tp", at_least(1), "an integer >= 1")
     check(cfg, "parallelism.pp", at_least(1), "an integer >= 1")
     check(cfg, "parallelism.cp", at_least(1), "an integer >= 1")
+    check(cfg, "parallelism.ep", at_least(1), "an integer >= 1")
     if hybrid.dp != -1:
         check(cfg, "parallelism.dp", at_least(1), "an integer >= 1, or -1 for world size / (dp_replicate x tp x pp)")
     if hybrid.dp_replicate != -1:
@@ -244,6 +245,7 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
             replicate=hybrid.dp_replicate,
             ranks_per_node=ranks_per_node,
             cp=hybrid.cp,
+            ep=hybrid.ep,
         )
     except ValueError as err:
         key, value = ("parallelism.dp", hybrid.dp) if hybrid.dp != -1 else ("parallelism.tp", hybrid.tp)
@@ -251,11 +253,15 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
             key, value = "parallelism.dp_replicate", hybrid.dp_replicate
         elif hybrid.dp == -1 and hybrid.cp > 1 and (world_size % hybrid.cp or hybrid.tp == 1):
             key, value = "parallelism.cp", hybrid.cp
+        if str(err).startswith("ep = "):
+            key, value = "parallelism.ep", hybrid.ep
         raise ConfigError(key, value, f"degrees whose product is the world size {world_size}: {err}") from None
     if cfg.precision.compute_dtype == "float16":
         raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=hybrid (no loss scaler)")
     if hybrid.cp > 1:
         validate_context(cfg, hybrid.cp)
+    if hybrid.ep > 1:
+        validate_experts(cfg, hybrid.ep)
     if hybrid.tp > 1:
         validate_tensor(cfg, hybrid.tp)
     if hybrid.pp == 1 and hybrid.activation_checkpointing:
@@ -292,3 +298,20 @@ def validate_context(cfg: DictConfig, cp: int) -> None:
             cfg.data.seq_len,
             f"a multiple of 2 x parallelism.cp = {2 * cp} (each cp rank holds an early and a late chunk)",
         )
+
+
+def validate_experts(cfg: DictConfig, ep: int) -> None:
+    """Expert parallelism: a model whose spec splits experts, as many experts on every ep rank, composed with FSDP
+    over dp alone (no pipeline, tensor or context split, no replicas or replicate mode)."""
+    hybrid = cfg.parallelism
+    for axis in ("pp", "tp", "cp", "dp_replicate"):
+        if hybrid[axis] != 1:
+            raise ConfigError(f"parallelism.{axis}", hybrid[axis], "1 with parallelism.ep > 1 (experts split over dp)")
+    if hybrid.dp_mode != "fsdp":
+        raise ConfigError("parallelism.dp_mode", "replicate", "fsdp with parallelism.ep > 1")
+    model, spec = meta_model(cfg)
+    if spec.expert_parallel is None:
+        raise ConfigError("parallelism.ep", ep, f"1 for {spec.label}: its spec splits no experts (expert_parallel)")
+    experts = spec.expert_parallel.num_experts(model)
+    if experts % ep:
+        raise ConfigError("parallelism.ep", ep, f"a divisor of the model's {experts} experts (model.n_experts)")

@@ -24,6 +24,7 @@ The pieces a spec names:
   loss the model computed, e.g. a mixture of experts' load balancing, added to the objective but not reported as the
   loss), ``metrics`` (values to log after a step, e.g. tokens per expert), and ``to_hf``/``from_hf`` (state-dict
   renaming to and from the family's Hugging Face counterpart).
+- ``expert_parallel``: an ``ExpertParallelPlan``, how the family splits its experts over ranks (None: no experts).
 - ``context_parallel``: ``(model, context)`` turns on exact context-parallel attention in every attention module of
   the model (or pipeline stage), given a ``distrain.parallelism.context.ContextParallel``; None: the family has none.
 """
@@ -65,6 +66,25 @@ def matmul_flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 
 @dataclass(frozen=True)
+class ExpertParallelPlan:
+    """How a family splits its experts over the ``ep`` ranks of ``parallelism.ep`` (generic code calls only these).
+
+    - ``parallelize(model, ep_mesh, replicas_group)``: in place, on the materialised model before FSDP; each rank
+      keeps its share of the experts (DTensors on ``ep_mesh``) and routes token-slots to their owners by all-to-all;
+      ``replicas_group`` joins the ranks holding the same experts (None when the data-parallel degree is ep).
+    - ``parameters(model)``: the expert weights, which FSDP must leave alone (``ignored_params``).
+    - ``sync_gradients(model)``: after the step's last backward, before clipping: the experts' gradients scaled
+      (and reduced over the replicas) to the gradient of the data-parallel mean.
+    - ``num_experts(model)``: what ep must divide.
+    """
+
+    parallelize: Callable[[nn.Module, Any, Any], None]
+    parameters: Callable[[nn.Module], set[nn.Parameter]]
+    sync_gradients: Callable[[nn.Module], None]
+    num_experts: Callable[[nn.Module], int]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """How a model family is split, sharded, counted and trained (see the module docstring)."""
 
@@ -89,6 +109,7 @@ class ModelSpec:
     hf_config: Callable[[nn.Module], Any] | None = None  # the transformers config describing a model of the family
     # Turns on context-parallel attention in every attention module, given a ContextParallel (Any: no import cycle).
     context_parallel: Callable[[nn.Module, Any], None] | None = None
+    expert_parallel: ExpertParallelPlan | None = None  # how ``parallelism.ep`` splits the experts; None: no experts
 
     @property
     def label(self) -> str:

@@ -47,16 +47,25 @@ class FSDPStrategy(LocalBackwardStrategy):
 
 
 def shard_blocks_and_root(
-    model: nn.Module, mesh: DeviceMesh, precision: PrecisionPolicy, *, stage: int, cpu_offload: bool = False
+    model: nn.Module,
+    mesh: DeviceMesh,
+    precision: PrecisionPolicy,
+    *,
+    stage: int,
+    cpu_offload: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """``fully_shard`` each of the model's blocks (its spec's units) and then ``model`` itself (its remaining
     parameters) over the 1-D ``mesh``; parameters become DTensors sharded on dim 0. ``model`` may be a pipeline
-    stage (any of the blocks)."""
+    stage (any of the blocks). ``ignored_params`` stay as they are (expert-parallel experts: no sharding, no
+    gradient reduction by FSDP)."""
     mixed = MixedPrecisionPolicy(
         param_dtype=precision.compute_dtype if precision.uses_autocast else None, reduce_dtype=torch.float32
     )
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     options = {"mp_policy": mixed, "offload_policy": offload, "shard_placement_fn": _shard_placement(mesh)}
+    if ignored_params:
+        options["ignored_params"] = ignored_params
     for block in spec_of(model).block_modules(model).values():
         fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3, **options)
     # The root's own parameters (embeddings, final norm, head) are used last in forward and first in backward:

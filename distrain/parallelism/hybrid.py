@@ -49,6 +49,7 @@ class MeshDegrees:
     tp: int
     replicate: int = 1
     cp: int = 1
+    ep: int = 1  # expert-parallel ranks: a split of the dp axis (ep divides dp)
 
     @classmethod
     def resolve(
@@ -61,6 +62,7 @@ class MeshDegrees:
         replicate: int = 1,
         ranks_per_node: int | None = None,
         cp: int = 1,
+        ep: int = 1,
     ) -> MeshDegrees:
         """The degrees for ``world_size`` ranks (``ranks_per_node`` resolves ``replicate=-1``); ValueError names
         the mismatch."""
@@ -79,7 +81,9 @@ class MeshDegrees:
                 f"dp_replicate x dp x cp x tp x pp = {replicate} x {dp} x {cp} x {tp} x {pp} = "
                 f"{replicate * dp * model_copy}, not the world size {world_size}"
             )
-        return cls(pp=pp, dp=dp, tp=tp, replicate=replicate, cp=cp)
+        if dp % ep:
+            raise ValueError(f"ep = {ep} does not divide the data-parallel degree dp = {dp} (experts split over dp)")
+        return cls(pp=pp, dp=dp, tp=tp, replicate=replicate, cp=cp, ep=ep)
 
     @property
     def data_parallel(self) -> int:
@@ -93,13 +97,18 @@ def build_mesh(degrees: MeshDegrees, device_type: str, dp_mode: str = "fsdp") ->
     ``dp`` and shards over nothing. With ``degrees.replicate > 1`` a ``dp_replicate`` axis precedes ``dp``: FSDP2 over
     (dp_replicate, dp) shards within each ``dp`` group and replicates across them (HSDP). With ``degrees.cp > 1`` a
     ``cp`` axis sits between ``dp`` and ``tp``, and ``dp`` x ``cp`` is also flattened into ``dp_cp``: the ranks
-    FSDP shards over (the cp ranks of a batch hold one model copy, so their gradients are averaged too)."""
+    FSDP shards over (the cp ranks of a batch hold one model copy, so their gradients are averaged too). With
+    ``degrees.ep > 1`` the dp axis is built as (``dp_mod_ep``, ``ep``) and flattened back into ``dp``: ``ep`` groups
+    neighbouring dp ranks that split the experts, ``dp_mod_ep`` joins the ranks holding the same experts."""
     if dp_mode == "replicate":
         shape, names = (degrees.pp, degrees.dp, 1, degrees.tp), ("pp", "dp", "dp_shard", "tp")
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    axes = [("pp", degrees.pp), ("dp_replicate", degrees.replicate), ("dp", degrees.dp), ("cp", degrees.cp)]
-    axes = [(name, size) for name, size in axes if size > 1 or name in AXES] + [("tp", degrees.tp)]
+    data = [("dp", degrees.dp)] if degrees.ep == 1 else [("dp_mod_ep", degrees.dp // degrees.ep), ("ep", degrees.ep)]
+    axes = [("pp", degrees.pp), ("dp_replicate", degrees.replicate), *data, ("cp", degrees.cp)]
+    axes = [(name, size) for name, size in axes if size > 1 or name in (*AXES, "dp_mod_ep")] + [("tp", degrees.tp)]
     mesh = init_device_mesh(device_type, tuple(size for _, size in axes), mesh_dim_names=tuple(n for n, _ in axes))
+    if degrees.ep > 1:
+        mesh["dp_mod_ep", "ep"]._flatten("dp")
     if degrees.cp > 1:
         mesh["dp", "cp"]._flatten("dp_cp")
     return mesh
@@ -120,12 +129,18 @@ def compose(
     if degrees.tp > 1:
         parallelize_model(module, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     shard = "dp_cp" if degrees.cp > 1 else "dp"  # the ranks sharing one model copy's parameters
+    ignored: set[nn.Parameter] = set()
+    if degrees.ep > 1:  # before FSDP, which then leaves the experts (DTensors on the ep axis) alone
+        plan = spec_of(module).expert_parallel
+        replicas = mesh["dp_mod_ep"].get_group() if degrees.dp > degrees.ep else None
+        plan.parallelize(module, mesh["ep"], replicas)
+        ignored = plan.parameters(module)
     if degrees.dp > 1 and "dp_shard" in (mesh.mesh_dim_names or ()):
         shard_blocks_and_root(module, mesh["dp", "dp_shard"], precision, stage=2)
     elif degrees.replicate > 1:  # HSDP: gradients reduce-scattered within dp, then all-reduced across replicas
         shard_blocks_and_root(module, mesh["dp_replicate", shard], precision, stage=stage)
     elif degrees.dp * degrees.cp > 1:
-        shard_blocks_and_root(module, mesh[shard], precision, stage=stage)
+        shard_blocks_and_root(module, mesh[shard], precision, stage=stage, ignored_params=ignored)
     return module
 
 
@@ -140,6 +155,7 @@ class HybridLayout:
     fsdp_stage: int
     dp_replicate: int = 1
     cp: int = 1
+    ep: int = 1
 
     def degrees(self, world_size: int, ranks_per_node: int | None) -> MeshDegrees:
         return MeshDegrees.resolve(
@@ -150,6 +166,7 @@ class HybridLayout:
             replicate=self.dp_replicate,
             ranks_per_node=ranks_per_node,
             cp=self.cp,
+            ep=self.ep,
         )
 
     def build(
@@ -174,6 +191,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     tp: int,
     pp: int,
     cp: int = 1,
+    ep: int = 1,
     stage: int,
     dp_mode: str,
     sequence_parallel: bool,
@@ -195,6 +213,8 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
         pp: pipeline-parallel degree (stages).
         cp: context-parallel degree: every sequence split over ``cp`` ranks, load-balanced
             (``distrain.parallelism.context``); ``pp == 1`` only.
+        ep: expert-parallel degree: the experts split over ``ep`` of the dp ranks, token-slots sent to their
+            expert's rank by all-to-all (the model spec's ``expert_parallel`` plan); FSDP shards the rest over dp.
         stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees them.
         dp_mode: ``fsdp`` shards parameters, gradients and optimizer state over dp (reduce-scatter of gradients);
             ``replicate`` keeps them whole on every dp rank and all-reduces gradients once per step: DDP's
@@ -205,7 +225,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
             ``parallelism=pipeline``.
     """
     layout = HybridLayout(
-        dp=dp, tp=tp, pp=pp, dp_mode=dp_mode, fsdp_stage=stage, dp_replicate=dp_replicate, cp=cp
+        dp=dp, tp=tp, pp=pp, dp_mode=dp_mode, fsdp_stage=stage, dp_replicate=dp_replicate, cp=cp, ep=ep
     )  # fmt: skip
     if pp > 1:
         return _ComposedPipeline(
@@ -260,6 +280,11 @@ class _ComposedModel(TensorParallelStrategy):
             return batch
         cp, rank = self.degrees.cp, self.mesh["cp"].get_local_rank()
         return Batch(shard_sequence(batch.inputs, cp, rank), shard_sequence(batch.targets, cp, rank))
+
+    def clip_gradients(self) -> torch.Tensor:
+        if self.degrees.ep > 1:  # experts are outside FSDP: their gradients are scaled (and reduced) here
+            spec_of(self.unwrapped).expert_parallel.sync_gradients(self.unwrapped)
+        return super().clip_gradients()
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
         if self.degrees.data_parallel * self.degrees.cp > 1:  # FSDP-wrapped: dp, cp, replicas, or several

@@ -125,6 +125,7 @@ KEYS = {
     "parallelism.tp": (check("parallelism=hybrid", "parallelism.tp=0"), ">= 1"),
     "parallelism.pp": (check("parallelism=hybrid", "parallelism.pp=0"), ">= 1"),
     "parallelism.cp": (check("parallelism=hybrid", "model=llama_tiny", "parallelism.cp=0"), ">= 1"),
+    "parallelism.ep": (check("parallelism=hybrid", "model=moe_tiny", "parallelism.ep=0"), ">= 1"),
     "parallelism.dp_mode": (compose("parallelism=hybrid", "parallelism.dp_mode=zero"), "[fsdp, replicate]"),
     "optimizer.lr": (check("optimizer.lr=0"), "> 0"),
     "optimizer.betas": (check("optimizer.betas=[0.9,1.5]"), "two numbers in [0, 1)"),

@@ -8,6 +8,7 @@ objective and to log the experts' load. The model holds no buffers, so it can be
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +18,18 @@ from distrain.models.hf_weights import load_hf_weights
 from distrain.models.llama.model import Attention, Llama, RMSNorm
 from distrain.models.moe.spec import MOE_SPEC
 
+if TYPE_CHECKING:
+    from distrain.models.moe.expert_parallel import ExpertParallel
+
 
 class MoEFeedForward(nn.Module):
     """Top-k routed SwiGLU experts, every token to exactly ``top_k`` experts (no capacity, nothing dropped).
 
     The experts' weights are 3-D parameters with the expert as dim 0 (``w1`` gate and ``w3`` up: (n_experts,
     expert_hidden, d_model); ``w2`` down: (n_experts, d_model, expert_hidden)), so expert parallelism can shard dim 0.
+    ``expert_parallel`` is None unless ``expert_parallel.parallelize_experts`` set it: then the experts' weights are
+    DTensor shards and the forward sends each token-slot to the rank holding its expert (the routing, its statistics
+    and the auxiliary loss stay this rank's own).
 
     Args:
         d_model: width of the input and output.
@@ -62,6 +69,7 @@ class MoEFeedForward(nn.Module):
         self.last_load_balance: Tensor | None = None
         self.last_z_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None
+        self.expert_parallel: ExpertParallel | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -92,7 +100,11 @@ class MoEFeedForward(nn.Module):
         # Group the slots by expert: a stable sort keeps each expert's tokens in order, so results are reproducible.
         order = slots.argsort(stable=True)
         token_of_slot = order // self.top_k
-        expert_out = self._experts(tokens.index_select(0, token_of_slot), self._group_sizes(counts, slots.numel()))
+        grouped = tokens.index_select(0, token_of_slot)
+        if self.expert_parallel is None:
+            expert_out = self._experts(grouped, self._group_sizes(counts, slots.numel()))
+        else:  # sorted by global expert, the slots are already grouped by the rank that holds their expert
+            expert_out = self.expert_parallel.dispatch_and_combine(self, grouped, counts)
         weighted = expert_out * gates.flatten().index_select(0, order)[:, None]
         out = torch.zeros_like(tokens).index_add_(0, token_of_slot, weighted.to(tokens.dtype))
         self._record(logits, probs, counts)
@@ -106,13 +118,18 @@ class MoEFeedForward(nn.Module):
         base, extra = divmod(num_slots, self.n_experts)
         return [base + (expert < extra) for expert in range(self.n_experts)]
 
-    def _experts(self, grouped: Tensor, sizes: list[int]) -> Tensor:
-        """SwiGLU of each expert on its contiguous group of ``grouped`` (slots, d_model) rows, on their device."""
+    def _experts(
+        self, grouped: Tensor, sizes: list[int], weights: tuple[Tensor, Tensor, Tensor] | None = None
+    ) -> Tensor:
+        """SwiGLU of each expert on its contiguous group of ``grouped`` (slots, d_model) rows, on their device.
+        ``weights``: (w1, w3, w2) with the experts of ``sizes`` as dim 0; default this module's own."""
         # unbind, not w1[e]: its backward stacks the experts' gradients once instead of one full-size zero each.
-        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
+        w1, w3, w2 = (w.unbind(0) for w in (weights or (self.w1, self.w3, self.w2)))
         outputs = []
         for expert, rows in enumerate(grouped.split(sizes)):
-            if rows.shape[0] == 0:
+            # With no rows at all (an expert-parallel rank that received none) the empty matmuls still run: the
+            # output keeps the autocast dtype its peers send and the backward still reaches the all-to-all.
+            if rows.shape[0] == 0 and grouped.shape[0] > 0:
                 continue
             hidden = F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())
             outputs.append(hidden @ w2[expert].t())

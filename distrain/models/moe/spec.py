@@ -19,7 +19,7 @@ from distrain.models.llama.spec import check_config as check_llama_config
 from distrain.models.llama.spec import check_init_from as check_llama_init_from
 from distrain.models.llama.spec import enable_context_parallel
 from distrain.models.moe.hf import from_hf, hf_config, to_hf
-from distrain.models.spec import ModelSpec
+from distrain.models.spec import ExpertParallelPlan, ModelSpec
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -45,7 +45,9 @@ def metrics(model: nn.Module) -> dict[str, float]:
     - ``moe_load_balance``: the Switch balance term ``n_experts * sum_i f_i P_i`` (1 when balanced), mean over layers;
     - ``moe_z_loss``: the router z-loss ``mean(logsumexp(logits)^2)``, mean over layers;
     - ``moe_max_load``: the busiest expert's token count over the mean count, max over layers (1 when balanced);
-    - ``moe_expert{i}_frac``: the share of all token-slots (tokens x top_k, all layers) routed to expert i.
+    - ``moe_expert{i}_frac``: the share of all token-slots (tokens x top_k, all layers) routed to expert i;
+    - ``moe_all_to_all_bytes`` (expert parallelism only): bytes this rank sent to other ep ranks over the step's
+      forwards and backwards (token rows, their gradients, the counts).
     """
     layers = [layer for layer in moe_layers(model) if layer.last_tokens_per_expert is not None]
     if not layers:
@@ -57,7 +59,12 @@ def metrics(model: nn.Module) -> dict[str, float]:
     shares = counts.sum(dim=0) / counts.sum().clamp_min(1e-12)
     values = torch.cat([balance.mean()[None], z_loss.mean()[None], max_load[None], shares]).tolist()
     names = ["moe_load_balance", "moe_z_loss", "moe_max_load"] + [f"moe_expert{i}_frac" for i in range(len(shares))]
-    return dict(zip(names, values, strict=True))
+    routed = dict(zip(names, values, strict=True))
+    if any(getattr(layer, "expert_parallel", None) is not None for layer in layers):
+        from distrain.models.moe.expert_parallel import all_to_all_bytes
+
+        routed["moe_all_to_all_bytes"] = float(all_to_all_bytes(model))  # this rank's, over the step
+    return routed
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -119,6 +126,31 @@ def check_same_architecture(cfg: DictConfig, path: Path) -> None:
             raise ConfigError(f"model.{key}", value, f"{theirs[key]}, as in {path / 'config.json'} (model.init_from)")
 
 
+def _parallelize_experts(model: nn.Module, ep_mesh: object, replicas_group: object) -> None:
+    from distrain.models.moe.expert_parallel import parallelize_experts  # imports the model, which imports this
+
+    parallelize_experts(model, ep_mesh, replicas_group)
+
+
+def _expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    from distrain.models.moe.expert_parallel import expert_parameters
+
+    return expert_parameters(model)
+
+
+def _sync_expert_gradients(model: nn.Module) -> None:
+    from distrain.models.moe.expert_parallel import sync_expert_gradients
+
+    sync_expert_gradients(model)
+
+
+EXPERT_PLAN = ExpertParallelPlan(
+    parallelize=_parallelize_experts,
+    parameters=_expert_parameters,
+    sync_gradients=_sync_expert_gradients,
+    num_experts=lambda model: model.n_experts,
+)
+
 MOE_SPEC = ModelSpec(
     name="moe",
     blocks="layers",
@@ -134,4 +166,5 @@ MOE_SPEC = ModelSpec(
     from_hf=from_hf,
     hf_config=hf_config,
     context_parallel=enable_context_parallel,  # Llama's attention, so Llama's context parallelism
+    expert_parallel=EXPERT_PLAN,
 )

@@ -1,0 +1,81 @@
+"""``parallelism=hybrid parallelism.ep=N`` through train.py: moe_tiny's experts split over N of the data-parallel
+ranks (all-to-all dispatch and combine, FSDP2 on the rest) train with the losses of one process, log the all-to-all
+bytes, resume from their checkpoint under another layout, and bad settings are refused in one line."""
+
+import json
+
+import pytest
+from helpers import compose_config, run_train
+
+from distrain.validate import ConfigError, validate
+
+pytestmark = pytest.mark.integration
+
+COMMON = [
+    "model=moe_tiny", "data.corpus.max_bytes=200000", "data.seq_len=64", "data.micro_batch_size=2",
+    "data.global_batch_size=8", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0",
+    "logger=none",
+]  # fmt: skip
+NO_CHECKPOINT = ["checkpoint=none"]
+LAYOUTS = {
+    "ep2": ["parallelism=hybrid", "parallelism.ep=2", "distributed.nproc_per_node=2"],
+    "dp4_ep2": ["parallelism=hybrid", "parallelism.ep=2", "distributed.nproc_per_node=4"],  # 2 copies of each expert
+}
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    root = tmp_path_factory.mktemp("single")
+    done = run_train([*COMMON, *NO_CHECKPOINT, "parallelism=single", "hydra.run.dir=run"], root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [record["loss"] for record in metrics(root / "run")]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_trains_like_one_process_and_logs_its_traffic(tmp_path, single, layout):
+    done = run_train([*COMMON, *NO_CHECKPOINT, *LAYOUTS[layout], "hydra.run.dir=run"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = metrics(tmp_path / "run")
+    assert [r["loss"] for r in records] == pytest.approx(single, abs=1e-4)
+    assert single[-1] < single[0] - 0.3
+    assert all(r["moe_all_to_all_bytes"] > 0 for r in records)
+    assert sum(r[f"moe_expert{i}_frac"] for i in range(8) for r in records[:1]) == pytest.approx(1.0)
+
+
+def test_an_expert_parallel_checkpoint_resumes_under_fsdp(tmp_path):
+    saved = [*COMMON, "checkpoint=default", "checkpoint.every_n_steps=3"]
+    first = run_train([*saved, *LAYOUTS["ep2"], "hydra.run.dir=first"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = tmp_path / "first" / "checkpoints" / "step_00000003"
+    fsdp = ["parallelism=fsdp", "distributed.nproc_per_node=2", f"checkpoint.resume={checkpoint}"]
+    second = run_train([*saved, *fsdp, "hydra.run.dir=second"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    expected = {r["step"]: r["loss"] for r in metrics(tmp_path / "first")}
+    got = {r["step"]: r["loss"] for r in metrics(tmp_path / "second")}
+    assert sorted(got) == [4, 5, 6]
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([expected[s] for s in (4, 5, 6)], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides,key,allowed",
+    [
+        (
+            ["parallelism.ep=3", "distributed.nproc_per_node=3", "data.global_batch_size=6"],
+            "parallelism.ep",
+            "a divisor of the model's 8 experts",
+        ),
+        (["parallelism.ep=4"], "parallelism.ep", "does not divide the data-parallel degree dp = 2"),
+        (["model=llama_tiny"], "parallelism.ep", "its spec splits no experts"),
+        (["parallelism.cp=2", "distributed.nproc_per_node=4"], "parallelism.cp", "1 with parallelism.ep > 1"),
+        (["parallelism.ep=0"], "parallelism.ep", ">= 1"),
+    ],
+)
+def test_bad_expert_parallel_settings_are_refused_in_one_line(overrides, key, allowed):
+    cfg = compose_config([*COMMON, *NO_CHECKPOINT, *LAYOUTS["ep2"], *overrides])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == key and allowed in str(err.value), str(err.value)
