@@ -19,8 +19,7 @@ COMMON = [
 NO_CHECKPOINT = ["checkpoint=none"]
 LAYOUTS = {
     "ep2": ["parallelism=hybrid", "parallelism.ep=2", "distributed.nproc_per_node=2"],
-    "dp4_ep2": ["parallelism=hybrid", "parallelism.ep=2", "distributed.nproc_per_node=4"],  # 2 copies of each expert
-}
+}  # ep 2 on 4 ranks (2 copies of each expert): tests/distributed/test_expert_parallel.py, in-process
 
 
 def metrics(run_dir):

@@ -147,8 +147,8 @@ LAYOUT = {
 }
 
 
-@pytest.mark.parametrize("saved_on,resumed_on", [(2, 4), (4, 2)])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# One direction per strategy: both directions of both take twice as long and test the same resharding.
+@pytest.mark.parametrize("strategy,saved_on,resumed_on", [("ddp", 2, 4), ("fsdp", 4, 2)])
 def test_resume_on_a_different_number_of_ranks(tmp_path, strategy, saved_on, resumed_on):
     common = [*CHECKPOINTED, *STRATEGIES[strategy], "trainer.max_steps=8", "checkpoint.every_n_steps=4"]
     first = run_train([*common, *LAYOUT[saved_on], "hydra.run.dir=first"], tmp_path)
