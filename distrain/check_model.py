@@ -70,6 +70,8 @@ LAYOUTS = [
     Layout("pipeline", ("parallelism=pipeline", "parallelism.microbatches=4"), 2, 1),
     Layout("hsdp_2x2", ("parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"), 4, 4),
     Layout("hybrid_dp2_tp2", ("parallelism=hybrid", "parallelism.tp=2"), 4, 2),
+    Layout("cp2", ("parallelism=hybrid", "parallelism.cp=2"), 2, 1),
+    Layout("ep2", ("parallelism=hybrid", "parallelism.ep=2"), 2, 2),
     Layout(
         "hybrid_tp2_pp2",
         ("parallelism=hybrid", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=4"),
