@@ -26,8 +26,9 @@ from omegaconf import DictConfig
 
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node
+from distrain.parallelism.hybrid import MeshDegrees
 from distrain.parallelism.memory import optimizer_state_bytes_per_param
-from distrain.parallelism.planning import RankMemory, Workload, predict_rank_memory
+from distrain.parallelism.planning import RankMemory, Workload, mesh_degrees, predict_rank_memory
 from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.validate import ConfigError, Target, data_parallel_degree, validate, validate_data_fits
 
@@ -48,6 +49,7 @@ class DryRunReport:
     tokens_per_step: int
     steps_per_epoch: int
     ranks: list[RankMemory]
+    mesh: MeshDegrees | None = None  # the layout's degrees on the target (None: not planned)
 
     @property
     def fits(self) -> bool:
@@ -79,6 +81,7 @@ class DryRunReport:
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
             "steps_per_epoch": self.steps_per_epoch,
+            "mesh": None if self.mesh is None else _degrees(self.mesh),
             "ranks": [row.as_dict() for row in self.ranks],
             "fits": self.fits,
         }
@@ -93,6 +96,7 @@ class DryRunReport:
             f"model: {self.model_parameters / 1e6:,.1f} M parameters; data-parallel replicas: {self.data_parallel}; "
             f"global batch: {self.global_batch_size} sequences = {self.tokens_per_step:,} tokens per step; "
             f"{self.steps_per_epoch:,} steps per epoch",
+            *([] if self.mesh is None else [_mesh_line(self.mesh)]),
             f"predicted memory per rank ({unit_name}) against {t.device_memory_bytes / GIB:.1f} GiB per device:",
             f"  {'ranks':<44} {'params':>8} {'grads':>8} {'optim':>8} {'gathered':>9} {'activ':>8} {'total':>8}  fits",
         ]
@@ -108,6 +112,18 @@ class DryRunReport:
             "communication buffers and the CUDA context come on top)"
         )
         return "\n".join(lines)
+
+
+def _degrees(mesh: MeshDegrees) -> dict[str, int]:
+    return {"dp_replicate": mesh.replicate, "dp": mesh.dp, "cp": mesh.cp, "tp": mesh.tp, "pp": mesh.pp, "ep": mesh.ep}
+
+
+def _mesh_line(mesh: MeshDegrees) -> str:
+    """The degrees as the report prints them: the axes whose product is the world size, then ep, a split of dp."""
+    axes = {axis: size for axis, size in _degrees(mesh).items() if axis != "ep"}
+    ranks = mesh.replicate * mesh.dp * mesh.cp * mesh.tp * mesh.pp
+    product = " x ".join(f"{axis} {size}" for axis, size in axes.items())
+    return f"mesh: {product} = {ranks} ranks; ep {mesh.ep} (of the dp ranks, splitting the experts)"
 
 
 def resolve_target(cfg: DictConfig) -> Target:
@@ -165,6 +181,7 @@ def plan(cfg: DictConfig) -> DryRunReport:
     new_model = partial(_model_with_recomputation, cfg)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in new_model().parameters())
+    mesh = mesh_degrees(strategy, target.world_size, target.ranks_per_node)
     dist.init_process_group("fake", store=_fake_store(), rank=0, world_size=target.world_size)
     try:
         ranks = predict_rank_memory(
@@ -189,6 +206,7 @@ def plan(cfg: DictConfig) -> DryRunReport:
         tokens_per_step=sampler.global_batch_size * cfg.data.seq_len,
         steps_per_epoch=sampler.num_samples // sampler.global_batch_size,
         ranks=ranks,
+        mesh=mesh,
     )
 
 

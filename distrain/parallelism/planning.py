@@ -14,12 +14,18 @@ micro-batches a schedule keeps in flight on the rank. ``gathered`` is what shard
 computing: FSDP's and ZeRO-3's all-gathered parameters of the root and the two largest blocks (the one computing and
 the one prefetched), or of every block with FSDP stage 2, which keeps them from forward to backward.
 
+Context parallelism (``parallelism.cp``) shards the model over dp x cp (the mesh's ``dp_cp``, as ``compose`` does)
+and its activations are measured on the local seq_len / cp tokens with the all-gather attention running on meta
+tensors; expert parallelism (``parallelism.ep``) holds n_experts / ep experts whole (measured from the held model)
+and estimates its activations from the model without EP under balanced routing. Both are described, with what they
+assume, in ``distrain.parallelism.planning_layouts``.
+
 Not predicted: the allocator's fragmentation, communication buffers, the CUDA context and kernels' workspace.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,6 +38,7 @@ from distrain.parallelism.fsdp import FSDPStrategy
 from distrain.parallelism.hybrid import MeshDegrees, _ComposedModel, _ComposedPipeline, build_mesh, compose
 from distrain.parallelism.memory import local, predicted_model_state
 from distrain.parallelism.pipeline import PipelineStrategy, rank_stages, split_stages
+from distrain.parallelism.planning_layouts import not_gathered, whole_model_activations
 from distrain.parallelism.recompute import apply_activation_checkpointing, saved_activation_bytes
 from distrain.parallelism.single import SingleProcessStrategy
 from distrain.parallelism.tensor import TensorParallelStrategy
@@ -116,6 +123,14 @@ def _layout(strategy: object, world_size: int, ranks_per_node: int | None = None
     raise TypeError(f"no memory plan for {type(strategy).__name__}")
 
 
+def mesh_degrees(strategy: object, world_size: int, ranks_per_node: int | None = None) -> MeshDegrees:
+    """The mesh degrees ``strategy`` runs at on ``world_size`` ranks (ZeRO and the data-parallel strategies: every
+    rank on dp). No collective."""
+    if isinstance(strategy, ZeroStrategy):
+        return MeshDegrees(pp=1, dp=world_size, tp=1)
+    return _layout(strategy, world_size, ranks_per_node).degrees
+
+
 def predict_rank_memory(
     strategy: object,
     *,
@@ -142,7 +157,7 @@ def predict_rank_memory(
         held = _rank_modules(new_model, layout, pp_rank, stages_total, precision, mesh, shard=True)
         computing = _rank_modules(new_model, layout, pp_rank, stages_total, precision, mesh, shard=False)
         elements, params = _local_elements_and_bytes(held)
-        gathered = _gathered_bytes(computing, layout)
+        gathered = _gathered_bytes(computing, layout, skip=not_gathered(computing[0], held[0], layout.degrees))
         if pipeline:
             in_flight = _in_flight(pipeline, ranks, pp_rank)
             sequences = workload.micro_batch_size * workload.grad_accum_steps // pipeline.microbatches
@@ -152,7 +167,15 @@ def predict_rank_memory(
             activations = in_flight * per_micro_batch
             label = f"pipeline rank {pp_rank} (stages {', '.join(map(str, rank_stages(pp_rank, ranks, stages_total)))})"
         else:
-            activations = _activation_bytes(computing[0], workload.micro_batch_size, workload.seq_len, precision)
+            activations = whole_model_activations(
+                computing[0],
+                held[0],
+                layout.degrees,
+                mesh,
+                workload.seq_len,
+                precision,
+                lambda module, seq_len: _activation_bytes(module, workload.micro_batch_size, seq_len, precision),
+            )
             label = "every rank" if layout.dp_holds == "replicate" else "every rank (rank 0's shard, the largest)"
         rows.append(
             RankMemory(
@@ -223,19 +246,21 @@ def _local_elements_and_bytes(modules: Sequence[nn.Module]) -> tuple[int, int]:
     return elements, nbytes
 
 
-def _whole_bytes(module: nn.Module) -> int:
-    return sum(local(p).numel() * local(p).element_size() for p in module.parameters())
+def _whole_bytes(module: nn.Module, skip: Collection[int] = ()) -> int:
+    return sum(local(p).numel() * local(p).element_size() for p in module.parameters() if id(p) not in skip)
 
 
-def _gathered_bytes(computing: Sequence[nn.Module], layout: _Layout) -> int:
+def _gathered_bytes(computing: Sequence[nn.Module], layout: _Layout, skip: Collection[int] = ()) -> int:
     """FSDP's all-gathered parameters (in the compute dtype) while a rank computes: the root's, plus the two largest
-    blocks' (stage 3) or every block's (stage 2)."""
-    if layout.dp_holds != "shard" or layout.degrees.dp == 1:
+    blocks' (stage 3) or every block's (stage 2). FSDP shards over dp x cp; the parameters of ``skip`` (ids: the
+    experts under ep) are not FSDP's to gather."""
+    if layout.dp_holds != "shard" or layout.degrees.dp * layout.degrees.cp == 1:
         return 0
     total = 0
     for module in computing:  # already in the compute dtype
-        blocks = sorted((_whole_bytes(block) for block in spec_of(module).block_modules(module).values()), reverse=True)
-        root = _whole_bytes(module) - sum(blocks)
+        units = spec_of(module).block_modules(module).values()
+        blocks = sorted((_whole_bytes(block, skip) for block in units), reverse=True)
+        root = _whole_bytes(module, skip) - sum(blocks)
         total += root + (sum(blocks) if layout.fsdp_stage == 2 else sum(blocks[:2]))
     return total
 
