@@ -123,7 +123,7 @@ class HybridConfig:
     _target_: str = "distrain.parallelism.hybrid.HybridStrategy"
     name: str = "hybrid"
     dp_replicate: int = 1  # copies of the dp-sharded model (HSDP when > 1); -1: one per node
-    dp: int = -1  # data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x tp x pp)
+    dp: int = -1  # data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x cp x tp x pp)
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline stages (ranks); with pp > 1 the pipeline keys below apply
     cp: int = 1  # context-parallel degree: every sequence split over cp ranks (pp = 1 only)

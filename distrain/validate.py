@@ -28,6 +28,7 @@ from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
 from distrain.validate_parallelism import (
     HYBRID_PRESETS,
+    hybrid_degrees,
     meta_model,
     spec_for_config,
     validate_comm,
@@ -292,11 +293,13 @@ def derive_accumulation(cfg: DictConfig, world_size: int) -> None:
     check(cfg, "data.global_batch_size", at_least(1), "an integer >= 1 (sequences per optimizer step), or null")
     check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1")
     hybrid = cfg.parallelism
-    if hybrid.name in HYBRID_PRESETS and not all(
-        isinstance(hybrid[axis], int) and hybrid[axis] >= 1 for axis in ("tp", "pp", "cp")
-    ):
-        return  # validate_hybrid names the bad degree
-    data_parallel = max(1, data_parallel_degree(cfg, world_size))
+    if hybrid.name in HYBRID_PRESETS:
+        try:
+            data_parallel = hybrid_degrees(cfg, world_size).data_parallel
+        except (TypeError, ValueError, ZeroDivisionError):
+            return  # validate_hybrid names the bad degree
+    else:
+        data_parallel = data_parallel_degree(cfg, world_size)
     per_micro_step = cfg.data.micro_batch_size * data_parallel
     if wanted % per_micro_step:
         raise ConfigError(
@@ -308,11 +311,8 @@ def derive_accumulation(cfg: DictConfig, world_size: int) -> None:
         )
     accumulation = wanted // per_micro_step
     if cfg.trainer.grad_accum_steps not in (1, accumulation):
-        raise ConfigError(
-            "trainer.grad_accum_steps",
-            cfg.trainer.grad_accum_steps,
-            f"1 (derived) or {accumulation} with data.global_batch_size={wanted} on this layout",
-        )
+        derived = f"{accumulation}, derived from data.global_batch_size={wanted} on this layout (1 means: derive it)"
+        raise ConfigError("trainer.grad_accum_steps", cfg.trainer.grad_accum_steps, derived)
     cfg.trainer.grad_accum_steps = accumulation
 
 

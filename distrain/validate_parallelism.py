@@ -6,6 +6,7 @@ Called by ``distrain.validate.validate`` once the world size is known (the job's
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 from hydra.utils import get_object, instantiate
@@ -14,6 +15,9 @@ from torch import nn
 
 from distrain.config_checks import ConfigError, at_least, check, positive
 from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
+
+if TYPE_CHECKING:
+    from distrain.parallelism.hybrid import MeshDegrees
 
 # Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
 STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3), "hybrid": (2, 3), "hsdp": (2, 3)}
@@ -221,6 +225,26 @@ def validate_tensor(cfg: DictConfig, world_size: int) -> None:
         )
 
 
+def hybrid_degrees(
+    cfg: DictConfig, world_size: int, ranks_per_node: int | None = None, with_experts: bool = True
+) -> MeshDegrees:
+    """The mesh degrees a hybrid preset resolves to on ``world_size`` ranks; ValueError when they do not fit it.
+    Without ``with_experts`` ep is left out (its own check names it)."""
+    from distrain.parallelism.hybrid import MeshDegrees
+
+    hybrid = cfg.parallelism
+    return MeshDegrees.resolve(
+        dp=hybrid.dp,
+        tp=hybrid.tp,
+        pp=hybrid.pp,
+        world_size=world_size,
+        replicate=hybrid.dp_replicate,
+        ranks_per_node=ranks_per_node,
+        cp=hybrid.get("cp", 1),
+        ep=hybrid.get("ep", 1) if with_experts else 1,
+    )
+
+
 def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> None:
     """Degrees against the world size, then the tensor and pipeline rules for their own axes."""
     hybrid = cfg.parallelism
@@ -229,39 +253,30 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
     check(cfg, "parallelism.cp", at_least(1), "an integer >= 1")
     check(cfg, "parallelism.ep", at_least(1), "an integer >= 1")
     if hybrid.dp != -1:
-        check(cfg, "parallelism.dp", at_least(1), "an integer >= 1, or -1 for world size / (dp_replicate x tp x pp)")
+        rest = "world size / (dp_replicate x cp x tp x pp)"
+        check(cfg, "parallelism.dp", at_least(1), f"an integer >= 1, or -1 for {rest}")
     if hybrid.dp_replicate != -1:
         check(cfg, "parallelism.dp_replicate", at_least(1), "an integer >= 1, or -1 for one per node")
     if hybrid.dp_replicate != 1 and hybrid.dp_mode != "fsdp":
         raise ConfigError("parallelism.dp_replicate", hybrid.dp_replicate, "1 with dp_mode=replicate (use dp)")
-    from distrain.parallelism.hybrid import MeshDegrees
-
     try:
-        MeshDegrees.resolve(
-            dp=hybrid.dp,
-            tp=hybrid.tp,
-            pp=hybrid.pp,
-            world_size=world_size,
-            replicate=hybrid.dp_replicate,
-            ranks_per_node=ranks_per_node,
-            cp=hybrid.cp,
-            ep=hybrid.ep,
-        )
+        degrees = hybrid_degrees(cfg, world_size, ranks_per_node, with_experts=False)
     except ValueError as err:
         key, value = ("parallelism.dp", hybrid.dp) if hybrid.dp != -1 else ("parallelism.tp", hybrid.tp)
         if hybrid.dp == -1 and hybrid.dp_replicate not in (-1, 1):
             key, value = "parallelism.dp_replicate", hybrid.dp_replicate
         elif hybrid.dp == -1 and hybrid.cp > 1 and (world_size % hybrid.cp or hybrid.tp == 1):
             key, value = "parallelism.cp", hybrid.cp
-        if str(err).startswith("ep = "):
-            key, value = "parallelism.ep", hybrid.ep
         raise ConfigError(key, value, f"degrees whose product is the world size {world_size}: {err}") from None
+    if degrees.dp % hybrid.ep:
+        allowed = f"a divisor of the data-parallel degree dp = {degrees.dp} (the experts are split over dp)"
+        raise ConfigError("parallelism.ep", hybrid.ep, allowed)
     if cfg.precision.compute_dtype == "float16":
         raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=hybrid (no loss scaler)")
     if hybrid.cp > 1:
         validate_context(cfg, hybrid.cp)
     if hybrid.ep > 1:
-        validate_experts(cfg, hybrid.ep)
+        validate_experts(cfg, hybrid.ep, degrees.replicate)
     if hybrid.tp > 1:
         validate_tensor(cfg, hybrid.tp)
     if hybrid.pp == 1 and hybrid.activation_checkpointing:
@@ -300,13 +315,16 @@ def validate_context(cfg: DictConfig, cp: int) -> None:
         )
 
 
-def validate_experts(cfg: DictConfig, ep: int) -> None:
+def validate_experts(cfg: DictConfig, ep: int, replicas: int) -> None:
     """Expert parallelism: a model whose spec splits experts, as many experts on every ep rank, composed with FSDP
-    over dp alone (no pipeline, tensor or context split, no replicas or replicate mode)."""
+    over dp alone (no pipeline, tensor or context split, no replicas (``replicas``: the resolved dp_replicate) or
+    replicate mode)."""
     hybrid = cfg.parallelism
-    for axis in ("pp", "tp", "cp", "dp_replicate"):
+    for axis in ("pp", "tp", "cp"):
         if hybrid[axis] != 1:
             raise ConfigError(f"parallelism.{axis}", hybrid[axis], "1 with parallelism.ep > 1 (experts split over dp)")
+    if replicas != 1:
+        raise ConfigError("parallelism.dp_replicate", hybrid.dp_replicate, "1 (one node) with parallelism.ep > 1")
     if hybrid.dp_mode != "fsdp":
         raise ConfigError("parallelism.dp_mode", "replicate", "fsdp with parallelism.ep > 1")
     model, spec = meta_model(cfg)

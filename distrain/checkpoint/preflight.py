@@ -58,6 +58,22 @@ def prepare_checkpoint_dir(
     return source if checkpoint_step(source) >= cfg.trainer.max_steps else None
 
 
+def pipeline_layout(parallelism: DictConfig) -> tuple[str, int] | None:
+    """A layout's pipeline (its option's name and its ``pp``; ``parallelism=pipeline`` spans every rank: -1), or
+    None when it has none."""
+    if parallelism.name == "pipeline":
+        return ("pipeline", -1)
+    pp = parallelism.get("pp", 1)
+    return (str(parallelism.name), int(pp)) if pp > 1 else None
+
+
+def describe_pipeline(parallelism: DictConfig) -> str:
+    layout = pipeline_layout(parallelism)
+    if layout is None:
+        return f"parallelism={parallelism.name} without a pipeline"
+    return "parallelism=pipeline" if layout[1] == -1 else f"parallelism={layout[0]} parallelism.pp={layout[1]}"
+
+
 def check_resumable(cfg: DictConfig, checkpoint: Path) -> None:
     """Refuse to resume ``checkpoint`` with a different model, optimizer or checkpoint format (DeepSpeed's own
     for zero, DCP's for the others) than the one it was saved with (its ``config.yaml``)."""
@@ -76,3 +92,11 @@ def check_resumable(cfg: DictConfig, checkpoint: Path) -> None:
     if (saved.parallelism.name == "zero") != (cfg.parallelism.name == "zero"):
         formats = "DeepSpeed's format (parallelism=zero)" if saved.parallelism.name == "zero" else "DCP's format"
         raise ConfigError("parallelism", cfg.parallelism.name, f"a strategy that reads {formats}, {where}")
+    saved_stages, stages = pipeline_layout(saved.parallelism), pipeline_layout(cfg.parallelism)
+    if (saved_stages or stages) and saved_stages != stages:
+        raise ConfigError(
+            "parallelism",
+            cfg.parallelism.name,
+            f"{describe_pipeline(saved.parallelism)} {where}: a pipeline's optimizer state is saved per stage, so it "
+            "resumes under the same pipeline layout only",
+        )

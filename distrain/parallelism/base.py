@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader
 from distrain.comm.ddp_comm import DDPComm
@@ -133,6 +134,31 @@ def squared_grad_norm(grads: Iterable[torch.Tensor], device: torch.device) -> to
         norm = grad.detach().float().norm()
         squared += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
     return squared
+
+
+def clip_grad_norm_across_meshes(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) for gradients that are DTensors on different meshes (FSDP's on the
+    dp mesh, the experts' on the ep mesh), which the torch function refuses (its stack and foreach multiply need one
+    mesh). Expert parallelism calls it after the experts' gradient sync. Returns the total norm before clipping, a
+    plain 0-dim tensor on the gradients' device.
+
+    Collectives: one all_reduce per mesh (each group's norm from its shards, over that mesh). Replicas of the same
+    expert shard hold equal gradients after the sync, so the ep mesh's norm counts each expert once.
+    """
+    groups: dict[object, list[nn.Parameter]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    if not groups:
+        return torch.zeros(())
+    norms = []
+    for params in groups.values():
+        norm = get_total_norm([param.grad for param in params])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.stack(norms).norm()
+    for params in groups.values():
+        clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def scale_to_norm(grads: Sequence[torch.Tensor], squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

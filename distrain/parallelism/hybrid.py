@@ -1,22 +1,32 @@
-"""``parallelism=hybrid``: data, tensor and pipeline parallelism composed on one device mesh.
+"""``parallelism=hybrid``: data, context, tensor, pipeline and expert parallelism composed on one device mesh.
 
-The mesh is built once from the degrees, ``pp x dp x tp == world size``, with ``tp`` the fastest-varying axis (the
-ranks of a tensor-parallel group are neighbours, on one node when degrees allow: the axis with the most traffic)
-and ``pp`` the slowest. In each pipeline stage (the whole model when ``pp == 1``):
+The mesh is built once from the degrees, ``pp x dp_replicate x dp x cp x tp == world size`` (axes of degree 1 other
+than pp, dp and tp are left out), with ``tp`` the fastest-varying axis (the ranks of a tensor-parallel group are
+neighbours, on one node when degrees allow: the axis with the most traffic) and ``pp`` the slowest. ``ep`` is not a
+factor of the world size: it splits the dp axis into (``dp_mod_ep``, ``ep``). In each pipeline stage (the whole
+model when ``pp == 1``):
 
 1. every block is split over the ``tp`` axis (``distrain.parallelism.tensor.parallelize_model``);
-2. then the blocks and the rest are sharded over the ``dp`` axis with FSDP2
-   (``distrain.parallelism.fsdp.shard_blocks_and_root``): parameters become 2-D DTensors (dp-sharded, tp-split);
-3. with ``pp > 1`` the stages join a ``torch.distributed.pipelining`` schedule over the ``pp`` axis.
+2. with ``ep > 1`` the experts are split over ``ep`` (the model spec's ``expert_parallel`` plan);
+3. then the blocks and the rest are sharded with FSDP2 (``distrain.parallelism.fsdp.shard_blocks_and_root``) over
+   ``dp`` (``dp x cp`` flattened with context parallelism; with ``dp_replicate``, HSDP: replicated across it):
+   parameters become DTensors (sharded, and tp-split when tp > 1); expert weights are left to their plan;
+4. with ``cp > 1`` every sequence is split over ``cp`` (``distrain.parallelism.context``) before the model sees it;
+5. with ``pp > 1`` the stages join a ``torch.distributed.pipelining`` schedule over the ``pp`` axis.
 
 Collectives: tensor parallelism's activation all-reduces inside each ``tp`` group; FSDP's all-gathers and gradient
-reduce-scatters inside each ``dp`` group; the schedule's send/recv between neighbouring stages of a ``pp`` group;
-gradient clipping's norm reductions over each axis. Ranks with the same ``dp`` coordinate read the same batch.
+reduce-scatters inside each dp (or dp x cp) group, and all-reduces across replicas; context parallelism's key/value
+all-gather in forward and all-to-all in backward inside each ``cp`` group; expert parallelism's two all-to-alls
+each way inside each ``ep`` group and the experts' gradient all-reduce over ``dp_mod_ep``; the schedule's send/recv
+between neighbouring stages of a ``pp`` group; gradient clipping's norm reductions over each axis. Ranks with the
+same ``dp_replicate`` and ``dp`` coordinates read the same batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -29,14 +39,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrain.data.sampler import Batch
 from distrain.models.spec import spec_of
-from distrain.parallelism.base import StepResult, StrategyContext
+from distrain.parallelism.base import StepResult, StrategyContext, clip_grad_norm_across_meshes
 from distrain.parallelism.context import ContextParallel, shard_sequence
 from distrain.parallelism.fsdp import shard_blocks_and_root
 from distrain.parallelism.pipeline import PipelineStrategy
 from distrain.parallelism.tensor import TensorParallelStrategy, parallelize_model
 from distrain.precision.policy import PrecisionPolicy
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "tp")  # always in the mesh, even at degree 1
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,15 @@ def build_mesh(degrees: MeshDegrees, device_type: str, dp_mode: str = "fsdp") ->
     return mesh
 
 
+def axes(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """``mesh[names]``, flattened axes (``dp`` under ep, ``dp_cp``) included. torch 2.13 warns on every slice of a
+    flattened axis from the root mesh that this will be deprecated; the slice is the mesh ``_flatten`` built, and no
+    replacement API exists in this version, so the warning is silenced here only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"(?i).*flatten")
+        return mesh[names[0] if len(names) == 1 else names]
+
+
 def compose(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -123,9 +142,9 @@ def compose(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
 ) -> nn.Module:
-    """Tensor parallelism on ``tp``, then FSDP on ``dp`` (sharded, or replicated when the mesh has a ``dp_shard``
-    axis), in place; axes of degree 1 are skipped. The tensor options need a whole model (validation refuses them
-    for pipeline stages)."""
+    """Tensor parallelism on ``tp``, the experts split on ``ep``, then FSDP on ``dp`` (``dp_cp`` with context
+    parallelism; sharded, or replicated when the mesh has a ``dp_shard`` axis), in place; axes of degree 1 are
+    skipped. The tensor options need a whole model (validation refuses them for pipeline stages)."""
     if degrees.tp > 1:
         parallelize_model(module, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     shard = "dp_cp" if degrees.cp > 1 else "dp"  # the ranks sharing one model copy's parameters
@@ -138,9 +157,9 @@ def compose(
     if degrees.dp > 1 and "dp_shard" in (mesh.mesh_dim_names or ()):
         shard_blocks_and_root(module, mesh["dp", "dp_shard"], precision, stage=2)
     elif degrees.replicate > 1:  # HSDP: gradients reduce-scattered within dp, then all-reduced across replicas
-        shard_blocks_and_root(module, mesh["dp_replicate", shard], precision, stage=stage)
+        shard_blocks_and_root(module, axes(mesh, "dp_replicate", shard), precision, stage=stage, ignored_params=ignored)
     elif degrees.dp * degrees.cp > 1:
-        shard_blocks_and_root(module, mesh[shard], precision, stage=stage, ignored_params=ignored)
+        shard_blocks_and_root(module, axes(mesh, shard), precision, stage=stage, ignored_params=ignored)
     return module
 
 
@@ -180,7 +199,7 @@ class HybridLayout:
 def data_parallel_rank(mesh: DeviceMesh, degrees: MeshDegrees) -> int:
     """This rank's index among the ranks reading different data: replica-major, then its place in the dp group."""
     replica = mesh["dp_replicate"].get_local_rank() if degrees.replicate > 1 else 0
-    return replica * degrees.dp + mesh["dp"].get_local_rank()
+    return replica * degrees.dp + axes(mesh, "dp").get_local_rank()
 
 
 def HybridStrategy(  # noqa: N802 - the config's target, named like the other strategies
@@ -208,7 +227,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     Args:
         dp_replicate: copies of the model's FSDP groups (HSDP: shard within a group of ``dp`` ranks, replicate
             across groups); -1: one per node.
-        dp: data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x tp x pp).
+        dp: data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x cp x tp x pp).
         tp: tensor-parallel degree (heads and MLP units split).
         pp: pipeline-parallel degree (stages).
         cp: context-parallel degree: every sequence split over ``cp`` ranks, load-balanced
@@ -241,7 +260,8 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
 
 
 class _ComposedModel(TensorParallelStrategy):
-    """pp == 1: the whole model, tensor-parallel on ``tp`` and FSDP-sharded (or replicated) on ``dp``."""
+    """pp == 1: the whole model, tensor-parallel on ``tp``, its experts split on ``ep``, FSDP-sharded (or replicated)
+    on ``dp`` (x ``cp``), each sequence split over ``cp``."""
 
     def __init__(self, layout: HybridLayout, *, name: str, sequence_parallel: bool, loss_parallel: bool) -> None:
         super().__init__(name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
@@ -282,9 +302,14 @@ class _ComposedModel(TensorParallelStrategy):
         return Batch(shard_sequence(batch.inputs, cp, rank), shard_sequence(batch.targets, cp, rank))
 
     def clip_gradients(self) -> torch.Tensor:
-        if self.degrees.ep > 1:  # experts are outside FSDP: their gradients are scaled (and reduced) here
-            spec_of(self.unwrapped).expert_parallel.sync_gradients(self.unwrapped)
-        return super().clip_gradients()
+        if self.degrees.ep == 1:
+            return super().clip_gradients()
+        # The experts are outside FSDP: their gradients are scaled (and reduced over replicas) here, then every
+        # gradient is clipped by one norm over both meshes (one all-reduce per mesh).
+        spec_of(self.unwrapped).expert_parallel.sync_gradients(self.unwrapped)
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.ctx.grad_clip_norm if self.ctx.grad_clip_norm > 0 else math.inf
+        return clip_grad_norm_across_meshes(self.model.parameters(), max_norm).detach()
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
         if self.degrees.data_parallel * self.degrees.cp > 1:  # FSDP-wrapped: dp, cp, replicas, or several

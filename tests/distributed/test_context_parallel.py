@@ -172,3 +172,39 @@ def test_gradients_summed_over_the_group_equal_the_full_model(results, layout):
         # One rank's own gradient is a part of the whole: the sum above is what makes it exact.
         assert result["own_grad_error"] > 1e-3 * result["grad_scale"]
         assert result["cp"] == (4 if layout == "cp4" else 2)
+
+
+def built_strategy_split(cfg_dict):
+    """On each rank: train.py's build of a cp=2 layout; what its model receives and what its attention holds."""
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    import train
+
+    env = join(None)
+    try:
+        cfg = OmegaConf.create(cfg_dict)
+        run = train.build(cfg, env, run_dir=tempfile.mkdtemp())
+        (batch,) = run.data.next_step()
+        local = run.strategy._local_part(batch)
+        contexts = [m.context for m in run.strategy.unwrapped.modules() if hasattr(m, "n_rep")]
+        run.data.close()
+        positions = local.inputs.shape[1], batch.inputs.shape[1]
+        return positions, [(c.size, c.rank) if c is not None else None for c in contexts]
+    finally:
+        leave()
+
+
+def test_train_py_build_of_cp2_feeds_each_rank_half_of_every_sequence():
+    """The strategy, not the test, splits the sequence: a cp=2 build gives each rank seq_len / 2 tokens and every
+    attention module the context of its own cp rank (a no-op wiring would still match one process's losses)."""
+    from helpers import FAST, compose_config, to_plain
+
+    overrides = [*FAST, "model=llama_tiny", "parallelism=hybrid", "parallelism.cp=2", "distributed.nproc_per_node=2"]
+    cfg = to_plain(compose_config(overrides))
+    per_rank = on_ranks(built_strategy_split, 2, cfg)
+    for rank in (0, 1):
+        (local, whole), contexts = per_rank[rank]
+        assert (local, whole) == (16, 32)
+        assert contexts and all(context == (2, rank) for context in contexts)

@@ -18,13 +18,13 @@ from torch.distributed.tensor import DTensor
 from distrain.models.moe.expert_parallel import (
     EXPERT_WEIGHTS,
     all_to_all_bytes,
-    clip_grad_norm_,
     expert_parameters,
     parallelize_experts,
     sync_expert_gradients,
 )
 from distrain.models.moe.model import MoE, MoEFeedForward
 from distrain.models.moe.spec import auxiliary_loss, moe_layers
+from distrain.parallelism.base import clip_grad_norm_across_meshes
 
 pytestmark = pytest.mark.distributed
 
@@ -142,7 +142,7 @@ def _train(dp_mesh, ep_mesh, replicas_group, checkpoint_dir=None):
         loss.backward()
         sync_expert_gradients(model)
         first_grads = first_grads or _experts_of(model, local=True)
-        norms.append(clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        norms.append(clip_grad_norm_across_meshes(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

