@@ -274,12 +274,12 @@ def _validate_dataset(cfg: DictConfig) -> None:
 
 def data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
     """Ranks reading different data: all of them for ddp, zero, fsdp; none for tensor and pipeline; dp_replicate x
-    dp for hybrid and hsdp."""
+    dp for hybrid and hsdp (ValueError when their degrees do not fit ``world_size``)."""
     name = cfg.parallelism.name
     if name in ("tensor", "pipeline"):
         return 1
-    if name in HYBRID_PRESETS:  # the replicas times the ranks sharding each: all but the model-parallel axes
-        return world_size // (cfg.parallelism.tp * cfg.parallelism.pp * cfg.parallelism.get("cp", 1))
+    if name in HYBRID_PRESETS:  # the replicas times the ranks sharding each, as the strategy resolves them
+        return hybrid_degrees(cfg, world_size).data_parallel
     return world_size
 
 
@@ -293,13 +293,10 @@ def derive_accumulation(cfg: DictConfig, world_size: int) -> None:
     check(cfg, "data.global_batch_size", at_least(1), "an integer >= 1 (sequences per optimizer step), or null")
     check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1")
     hybrid = cfg.parallelism
-    if hybrid.name in HYBRID_PRESETS:
-        try:
-            data_parallel = hybrid_degrees(cfg, world_size).data_parallel
-        except (TypeError, ValueError, ZeroDivisionError):
-            return  # validate_hybrid names the bad degree
-    else:
+    try:
         data_parallel = data_parallel_degree(cfg, world_size)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return  # degrees that do not fit: validate_hybrid names the bad one
     per_micro_step = cfg.data.micro_batch_size * data_parallel
     if wanted % per_micro_step:
         raise ConfigError(
