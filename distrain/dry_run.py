@@ -195,8 +195,9 @@ def plan(cfg: DictConfig) -> DryRunReport:
     finally:
         dist.destroy_process_group()
         _forget_destroyed_meshes()
-    data_parallel = data_parallel_degree(cfg, target.world_size)
-    sampler = validate_data_fits(cfg, target.world_size)  # validate() checked it; the sampler sizes the report
+    data_parallel = data_parallel_degree(cfg, target.world_size, target.ranks_per_node)
+    # validate() checked it; the sampler sizes the report
+    sampler = validate_data_fits(cfg, target.world_size, target.ranks_per_node)
     return DryRunReport(
         target=target,
         parallelism=cfg.parallelism.name,

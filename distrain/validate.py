@@ -134,7 +134,9 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         problem = backend_problem(cfg.compile_backend, device_type)
         if problem:
             raise ConfigError("compile_backend", cfg.compile_backend, problem)
-    derive_accumulation(cfg, world_size)  # before the pipeline checks, which divide the step's sequences
+    # Under an outer launcher the ranks of a node are its LOCAL_WORLD_SIZE, as the strategy will see them.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if inside_launcher() and not target else nproc
+    derive_accumulation(cfg, world_size, local)  # before the pipeline checks, which divide the step's sequences
     validate_comm(cfg, world_size)
     validate_sharding(cfg, device_type)
     if cfg.parallelism.name == "pipeline":
@@ -142,10 +144,8 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     if cfg.parallelism.name == "tensor":
         validate_tensor(cfg, world_size)
     if cfg.parallelism.name in HYBRID_PRESETS:
-        # Under an outer launcher the ranks of a node are its LOCAL_WORLD_SIZE, as the strategy will see them.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if inside_launcher() and not target else nproc
         validate_hybrid(cfg, world_size, ranks_per_node=local)
-    validate_data_fits(cfg, world_size)  # after the degrees are known to be valid
+    validate_data_fits(cfg, world_size, local)  # after the degrees are known to be valid
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
 
 
@@ -272,18 +272,19 @@ def _validate_dataset(cfg: DictConfig) -> None:
         raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
 
 
-def data_parallel_degree(cfg: DictConfig, world_size: int) -> int:
+def data_parallel_degree(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> int:
     """Ranks reading different data: all of them for ddp, zero, fsdp; none for tensor and pipeline; dp_replicate x
-    dp for hybrid and hsdp (ValueError when their degrees do not fit ``world_size``)."""
+    dp for hybrid and hsdp (``ranks_per_node`` resolves dp_replicate=-1; ValueError when their degrees do not fit
+    ``world_size``)."""
     name = cfg.parallelism.name
     if name in ("tensor", "pipeline"):
         return 1
     if name in HYBRID_PRESETS:  # the replicas times the ranks sharding each, as the strategy resolves them
-        return hybrid_degrees(cfg, world_size).data_parallel
+        return hybrid_degrees(cfg, world_size, ranks_per_node).data_parallel
     return world_size
 
 
-def derive_accumulation(cfg: DictConfig, world_size: int) -> None:
+def derive_accumulation(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> None:
     """With ``data.global_batch_size`` set, write ``trainer.grad_accum_steps`` = global batch / (micro-batch x
     data-parallel degree) into ``cfg``: the same sequences per optimizer step under any layout. A value the layout
     cannot divide, or an accumulation set by hand to another number, is a ConfigError."""
@@ -294,7 +295,7 @@ def derive_accumulation(cfg: DictConfig, world_size: int) -> None:
     check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1")
     hybrid = cfg.parallelism
     try:
-        data_parallel = data_parallel_degree(cfg, world_size)
+        data_parallel = data_parallel_degree(cfg, world_size, ranks_per_node)
     except (TypeError, ValueError, ZeroDivisionError):
         return  # degrees that do not fit: validate_hybrid names the bad one
     per_micro_step = cfg.data.micro_batch_size * data_parallel
@@ -313,13 +314,13 @@ def derive_accumulation(cfg: DictConfig, world_size: int) -> None:
     cfg.trainer.grad_accum_steps = accumulation
 
 
-def validate_data_fits(cfg: DictConfig, world_size: int) -> GlobalBatchSampler:
+def validate_data_fits(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> GlobalBatchSampler:
     """The corpus holds one global batch of training windows, and its validation split at least one window.
 
     Builds the corpus (what every rank will read; the built-in ones take well under a second) and returns the
     sampler the ranks will use, for the dry run's report.
     """
-    data_parallel = data_parallel_degree(cfg, world_size)
+    data_parallel = data_parallel_degree(cfg, world_size, ranks_per_node)
     try:
         corpus = instantiate(cfg.data.corpus)
     except InstantiationException as err:

@@ -43,6 +43,11 @@ def test_two_nodes_with_the_shard_degree_set_plan_in_one_line_or_fit():
 
     two_nodes = [*FAST, "dry_run=true", "target.nodes=2", "target.ranks_per_node=4", "parallelism=hsdp"]
     report = plan(compose_config([*two_nodes, "parallelism.dp=4"]))  # 2 copies (one per node) x 4 shards
-    assert report.fits
+    assert report.fits and report.data_parallel == 8
+    # The global batch divides over both copies' shards: 16 sequences = micro-batch 1 x 8 ranks x 2 micro-steps.
+    batch = plan(
+        compose_config([*two_nodes, "parallelism.dp=4", "data.global_batch_size=16", "data.micro_batch_size=1"])
+    )
+    assert batch.data_parallel == 8 and batch.global_batch_size == 16
     with pytest.raises(ConfigError, match="parallelism.dp_replicate=-1 is not allowed: 1 with dp_mode=replicate"):
         plan(compose_config([*two_nodes, "parallelism.dp_mode=replicate"]))
