@@ -84,59 +84,28 @@ class DDPConfig:
 
 
 @dataclass(kw_only=True)
-class FSDPConfig:
-    """PyTorch FSDP2 (fully_shard per block and root). ``stage`` defaults to the top-level ``stage`` or 3."""
-
-    _target_: str = "distrain.parallelism.fsdp.FSDPStrategy"
-    name: str = "fsdp"
-    stage: int = "${stage_or:3}"  # 2: keep gathered parameters from forward to backward; 3: reshard after forward
-    cpu_offload: bool = False  # shards in CPU memory (GPU runs only)
-
-
-@dataclass(kw_only=True)
-class TensorConfig:
-    """Tensor parallelism (DTensor): attention heads and MLP units of every block split over all ranks."""
-
-    _target_: str = "distrain.parallelism.tensor.TensorParallelStrategy"
-    name: str = "tensor"
-    sequence_parallel: bool = False  # norms, dropout and residual stream split along the sequence
-    loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits (no gather of the logits)
-
-
-@dataclass(kw_only=True)
-class PipelineConfig:
-    """Pipeline parallelism (torch.distributed.pipelining): blocks split into stages over all ranks."""
-
-    _target_: str = "distrain.parallelism.pipeline.PipelineStrategy"
-    name: str = "pipeline"
-    schedule: Schedule = Schedule["1f1b"]  # gpipe | 1f1b | interleaved
-    microbatches: int = 4  # pipeline micro-batches per optimizer step
-    virtual_stages: int = 2  # stages per rank with schedule=interleaved
-    split_points: list[int] = field(default_factory=list)  # block indices where stages begin; empty: balanced
-    activation_checkpointing: list[int] = field(default_factory=list)  # stages that recompute activations
-
-
-@dataclass(kw_only=True)
 class HybridConfig:
-    """Data x tensor x pipeline parallelism on one (pp, dp, tp) device mesh; FSDP2 on the dp axis."""
+    """Data x context x tensor x pipeline (and expert) parallelism on one device mesh; FSDP2 on the dp axis. The
+    ``fsdp``, ``hsdp``, ``tensor`` and ``pipeline`` options are presets of it (conf/parallelism/<name>.yaml)."""
 
     _target_: str = "distrain.parallelism.hybrid.HybridStrategy"
     name: str = "hybrid"
     dp_replicate: int = 1  # copies of the dp-sharded model (HSDP when > 1); -1: one per node
-    dp: int = -1  # data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x cp x tp x pp)
-    tp: int = 1  # tensor-parallel degree
-    pp: int = 1  # pipeline stages (ranks); with pp > 1 the pipeline keys below apply
+    dp: int = -1  # data-parallel (FSDP sharding) degree; -1: the world size / (dp_replicate x cp x tp x pp)
+    tp: int = 1  # tensor-parallel degree; -1: the rest of the world size (one of dp, tp, pp may be -1)
+    pp: int = 1  # pipeline stages (ranks), -1 as tp; with pp > 1 the pipeline keys below apply
     cp: int = 1  # context-parallel degree: every sequence split over cp ranks (pp = 1 only)
     ep: int = 1  # expert-parallel degree: a model's experts split over ep of the dp ranks (ep divides dp)
     stage: int = "${stage_or:3}"  # FSDP on dp: 2 keeps gathered parameters forward to backward; 3 reshards
     dp_mode: DataParallelMode = DataParallelMode.fsdp  # replicate: whole copies, gradients all-reduced
-    sequence_parallel: bool = False  # as in parallelism=tensor (pp=1 only)
-    loss_parallel: bool = False  # as in parallelism=tensor (pp=1 only)
+    sequence_parallel: bool = False  # tp: norms, dropout and residual stream split along the sequence (pp=1 only)
+    loss_parallel: bool = False  # tp: cross-entropy on vocabulary-sharded logits, never gathered (pp=1 only)
     schedule: Schedule = Schedule["1f1b"]  # gpipe | 1f1b | interleaved
     microbatches: int = 4  # pipeline micro-batches per optimizer step
     virtual_stages: int = 2  # stages per pipeline rank with schedule=interleaved
     split_points: list[int] = field(default_factory=list)  # block indices where stages begin; empty: balanced
     activation_checkpointing: list[int] = field(default_factory=list)  # stages that recompute activations
+    cpu_offload: bool = False  # FSDP's shards in CPU memory (GPU runs only)
 
 
 @dataclass(kw_only=True)
@@ -397,10 +366,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "parallelism": {
         "single": SingleConfig,
         "ddp": DDPConfig,
-        "fsdp": FSDPConfig,
         "zero": ZeroConfig,
-        "pipeline": PipelineConfig,
-        "tensor": TensorConfig,
         "hybrid": HybridConfig,
     },
     "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},

@@ -27,15 +27,13 @@ from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
 from distrain.validate_parallelism import (
-    HYBRID_PRESETS,
     hybrid_degrees,
+    is_mesh_layout,
     meta_model,
     spec_for_config,
     validate_comm,
     validate_hybrid,
-    validate_pipeline,
     validate_sharding,
-    validate_tensor,
 )
 
 
@@ -139,11 +137,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     derive_accumulation(cfg, world_size, local)  # before the pipeline checks, which divide the step's sequences
     validate_comm(cfg, world_size)
     validate_sharding(cfg, device_type)
-    if cfg.parallelism.name == "pipeline":
-        validate_pipeline(cfg, world_size)
-    if cfg.parallelism.name == "tensor":
-        validate_tensor(cfg, world_size)
-    if cfg.parallelism.name in HYBRID_PRESETS:
+    if is_mesh_layout(cfg):
         validate_hybrid(cfg, world_size, ranks_per_node=local)
     validate_data_fits(cfg, world_size, local)  # after the degrees are known to be valid
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
@@ -273,13 +267,10 @@ def _validate_dataset(cfg: DictConfig) -> None:
 
 
 def data_parallel_degree(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> int:
-    """Ranks reading different data: all of them for ddp, zero, fsdp; none for tensor and pipeline; dp_replicate x
-    dp for hybrid and hsdp (``ranks_per_node`` resolves dp_replicate=-1; ValueError when their degrees do not fit
-    ``world_size``)."""
-    name = cfg.parallelism.name
-    if name in ("tensor", "pipeline"):
-        return 1
-    if name in HYBRID_PRESETS:  # the replicas times the ranks sharding each, as the strategy resolves them
+    """Ranks reading different data: all of them for ddp and zero; dp_replicate x dp for the mesh layouts (hybrid
+    and its presets: all ranks for fsdp, one for tensor and pipeline; ``ranks_per_node`` resolves dp_replicate=-1;
+    ValueError when their degrees do not fit ``world_size``)."""
+    if is_mesh_layout(cfg):  # the replicas times the ranks sharding each, as the strategy resolves them
         return hybrid_degrees(cfg, world_size, ranks_per_node).data_parallel
     return world_size
 

@@ -19,9 +19,27 @@ from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
 if TYPE_CHECKING:
     from distrain.parallelism.hybrid import MeshDegrees
 
-# Strategies that take a sharding stage (top-level `stage=` or `parallelism.stage=`), and the stages each allows.
-STAGES: dict[str, tuple[int, ...]] = {"zero": (1, 2, 3), "fsdp": (2, 3), "hybrid": (2, 3), "hsdp": (2, 3)}
-HYBRID_PRESETS = ("hybrid", "hsdp")  # parallelism options built by the hybrid strategy
+MESH_LAYOUT = "distrain.parallelism.hybrid.HybridStrategy"  # the target of hybrid and of its presets
+# The stages a sharding strategy takes (top-level `stage=` or `parallelism.stage=`): ZeRO's, and FSDP's on the dp
+# axis of any preset of the mesh layout (named here as the options that shard by default).
+ZERO_STAGES, FSDP_STAGES = (1, 2, 3), (2, 3)
+STAGE_TAKERS = "parallelism=zero (1/2/3), parallelism=fsdp (2/3), parallelism=hsdp (2/3), parallelism=hybrid (2/3)"
+
+
+def is_mesh_layout(cfg: DictConfig) -> bool:
+    """Whether the parallelism option is ``hybrid`` or a preset of it (a config file with its target: ``fsdp``,
+    ``hsdp``, ``tensor``, ``pipeline``, or one of the user's own)."""
+    return cfg.parallelism.get("_target_") == MESH_LAYOUT
+
+
+def sharding_stages(cfg: DictConfig) -> tuple[int, ...]:
+    """The stages the parallelism option takes: none unless it shards (ZeRO, or a mesh layout whose dp axis is not
+    fixed at 1)."""
+    if cfg.parallelism.name == "zero":
+        return ZERO_STAGES
+    if is_mesh_layout(cfg) and cfg.parallelism.dp != 1:
+        return FSDP_STAGES
+    return ()
 
 
 def model_name(cfg: DictConfig) -> str:
@@ -115,19 +133,18 @@ def validate_comm(cfg: DictConfig, world_size: int) -> None:
 
 
 def validate_sharding(cfg: DictConfig, device_type: str) -> None:
-    """Stages, offload and precision for the sharded strategies (zero, fsdp)."""
-    strategy = cfg.parallelism.name
-    takers = ", ".join(f"parallelism={name} ({'/'.join(map(str, st))})" for name, st in STAGES.items())
-    if strategy not in STAGES:
+    """Stages, offload and precision for the sharded strategies (zero, and the mesh layouts that shard over dp)."""
+    strategy, stages = cfg.parallelism.name, sharding_stages(cfg)
+    if not stages:
         if cfg.stage is not None:
-            raise ConfigError("stage", cfg.stage, f"parallelism={strategy} takes no stage; stages apply to {takers}")
+            allowed = f"parallelism={strategy} takes no stage; stages apply to {STAGE_TAKERS}"
+            raise ConfigError("stage", cfg.stage, allowed)
         return
     stage = cfg.parallelism.stage
     key = "stage" if cfg.stage is not None else "parallelism.stage"
-    if stage not in STAGES[strategy]:
-        allowed = " or ".join(map(str, STAGES[strategy]))
-        raise ConfigError(key, stage, f"parallelism={strategy} takes stage {allowed}")
-    if strategy == "fsdp" and cfg.parallelism.cpu_offload and device_type != "cuda":
+    if stage not in stages:
+        raise ConfigError(key, stage, f"parallelism={strategy} takes stage {' or '.join(map(str, stages))}")
+    if is_mesh_layout(cfg) and cfg.parallelism.cpu_offload and device_type != "cuda":
         raise ConfigError(
             "parallelism.cpu_offload", True, "offload moves shards from GPU to CPU memory; on cpu they are there"
         )
@@ -246,15 +263,14 @@ def hybrid_degrees(
 
 
 def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> None:
-    """Degrees against the world size, then the tensor and pipeline rules for their own axes."""
+    """Degrees against the world size, then the tensor and pipeline rules for their own axes (the resolved degrees:
+    a preset's -1 is the rest of the world size)."""
     hybrid = cfg.parallelism
-    check(cfg, "parallelism.tp", at_least(1), "an integer >= 1")
-    check(cfg, "parallelism.pp", at_least(1), "an integer >= 1")
+    for axis in ("dp", "tp", "pp"):
+        if hybrid[axis] != -1:
+            check(cfg, f"parallelism.{axis}", at_least(1), "an integer >= 1, or -1 for the rest of the world size")
     check(cfg, "parallelism.cp", at_least(1), "an integer >= 1")
     check(cfg, "parallelism.ep", at_least(1), "an integer >= 1")
-    if hybrid.dp != -1:
-        rest = "world size / (dp_replicate x cp x tp x pp)"
-        check(cfg, "parallelism.dp", at_least(1), f"an integer >= 1, or -1 for {rest}")
     if hybrid.dp_replicate != -1:
         check(cfg, "parallelism.dp_replicate", at_least(1), "an integer >= 1, or -1 for one per node")
     if hybrid.dp_replicate != 1 and hybrid.dp_mode != "fsdp":
@@ -262,41 +278,57 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
     try:
         degrees = hybrid_degrees(cfg, world_size, ranks_per_node, with_experts=False)
     except ValueError as err:
-        key, value = ("parallelism.dp", hybrid.dp) if hybrid.dp != -1 else ("parallelism.tp", hybrid.tp)
-        if hybrid.dp == -1 and hybrid.dp_replicate not in (-1, 1):
-            key, value = "parallelism.dp_replicate", hybrid.dp_replicate
-        elif hybrid.dp == -1 and hybrid.cp > 1 and (world_size % hybrid.cp or hybrid.tp == 1):
-            key, value = "parallelism.cp", hybrid.cp
-        raise ConfigError(key, value, f"degrees whose product is the world size {world_size}: {err}") from None
+        raise ConfigError(
+            *_misfit_degree(hybrid, world_size), f"degrees whose product is the world size {world_size}: {err}"
+        ) from None
     if degrees.dp % hybrid.ep:
         allowed = f"a divisor of the data-parallel degree dp = {degrees.dp} (the experts are split over dp)"
         raise ConfigError("parallelism.ep", hybrid.ep, allowed)
-    if cfg.precision.compute_dtype == "float16":
-        raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with parallelism=hybrid (no loss scaler)")
-    if hybrid.cp > 1:
-        validate_context(cfg, hybrid.cp)
+    if cfg.precision.compute_dtype == "float16" and degrees.tp * degrees.pp * degrees.cp * hybrid.ep > 1:
+        allowed = f"fp32 or bf16 with parallelism={hybrid.name} and tp, pp, cp or ep > 1 (no loss scaler there)"
+        raise ConfigError("precision", cfg.precision.name, allowed)
+    if degrees.cp > 1:
+        validate_context(cfg, degrees)
     if hybrid.ep > 1:
-        validate_experts(cfg, hybrid.ep, degrees.replicate)
-    if hybrid.tp > 1:
-        validate_tensor(cfg, hybrid.tp)
-    if hybrid.pp == 1 and hybrid.activation_checkpointing:
+        validate_experts(cfg, hybrid.ep, degrees)
+    if degrees.tp > 1:
+        validate_tensor(cfg, degrees.tp)
+    pipelined = hybrid.pp != 1  # pp=-1 (the pipeline preset) is a pipeline even of one stage
+    if not pipelined and hybrid.activation_checkpointing:
         raise ConfigError(
             "parallelism.activation_checkpointing", list(hybrid.activation_checkpointing), "[] with pp=1 (per stage)"
         )
-    if hybrid.pp > 1:
-        validate_pipeline(cfg, hybrid.pp)
+    if pipelined:
+        validate_pipeline(cfg, degrees.pp)
         for option in ("sequence_parallel", "loss_parallel"):
             if hybrid[option]:
                 raise ConfigError(f"parallelism.{option}", True, "false with parallelism.pp > 1 (whole models only)")
-    if cfg.checkpoint.async_save:
-        raise ConfigError("checkpoint.async_save", True, "false with parallelism=hybrid")
+    if cfg.checkpoint.async_save and degrees.tp * degrees.pp > 1:
+        raise ConfigError("checkpoint.async_save", True, f"false with parallelism={hybrid.name} (tp or pp > 1)")
 
 
-def validate_context(cfg: DictConfig, cp: int) -> None:
+def _misfit_degree(hybrid: DictConfig, world_size: int) -> tuple[str, int]:
+    """The key and value to name when the degrees do not multiply to the world size: an explicit dp first, else
+    the other degree that was set."""
+    free = [axis for axis in ("dp", "tp", "pp") if hybrid[axis] == -1]
+    if len(free) > 1:  # the message names them all
+        return f"parallelism.{free[-1]}", -1
+    if hybrid.dp != -1 and -1 not in (hybrid.tp, hybrid.pp):
+        return "parallelism.dp", hybrid.dp
+    if hybrid.dp_replicate not in (-1, 1):
+        return "parallelism.dp_replicate", hybrid.dp_replicate
+    if hybrid.cp > 1 and (world_size % hybrid.cp or hybrid.tp == 1):
+        return "parallelism.cp", hybrid.cp
+    if hybrid.tp == -1 or hybrid.pp == -1:
+        return "parallelism.dp", hybrid.dp
+    return "parallelism.tp", hybrid.tp
+
+
+def validate_context(cfg: DictConfig, degrees: MeshDegrees) -> None:
     """Context parallelism: a model whose spec has context-parallel attention, sequences cut into 2 x cp equal
     chunks, whole models sharded by FSDP (no pipeline, no replicate mode, no sequence-parallel split of its own)."""
-    hybrid = cfg.parallelism
-    if hybrid.pp > 1:
+    hybrid, cp = cfg.parallelism, degrees.cp
+    if degrees.pp > 1:
         raise ConfigError("parallelism.pp", hybrid.pp, "1 with parallelism.cp > 1 (cp splits whole models' inputs)")
     if hybrid.dp_mode != "fsdp":
         raise ConfigError("parallelism.dp_mode", "replicate", "fsdp with parallelism.cp > 1")
@@ -315,15 +347,14 @@ def validate_context(cfg: DictConfig, cp: int) -> None:
         )
 
 
-def validate_experts(cfg: DictConfig, ep: int, replicas: int) -> None:
+def validate_experts(cfg: DictConfig, ep: int, degrees: MeshDegrees) -> None:
     """Expert parallelism: a model whose spec splits experts, as many experts on every ep rank, composed with FSDP
-    over dp alone (no pipeline, tensor or context split, no replicas (``replicas``: the resolved dp_replicate) or
-    replicate mode)."""
+    over dp alone (no pipeline, tensor or context split, no replicas or replicate mode; ``degrees`` resolved)."""
     hybrid = cfg.parallelism
     for axis in ("pp", "tp", "cp"):
-        if hybrid[axis] != 1:
+        if getattr(degrees, axis) != 1:
             raise ConfigError(f"parallelism.{axis}", hybrid[axis], "1 with parallelism.ep > 1 (experts split over dp)")
-    if replicas != 1:
+    if degrees.replicate != 1:
         raise ConfigError("parallelism.dp_replicate", hybrid.dp_replicate, "1 (one node) with parallelism.ep > 1")
     if hybrid.dp_mode != "fsdp":
         raise ConfigError("parallelism.dp_mode", "replicate", "fsdp with parallelism.ep > 1")

@@ -59,19 +59,17 @@ def prepare_checkpoint_dir(
 
 
 def pipeline_layout(parallelism: DictConfig) -> tuple[str, int] | None:
-    """A layout's pipeline (its option's name and its ``pp``; ``parallelism=pipeline`` spans every rank: -1), or
-    None when it has none."""
-    if parallelism.name == "pipeline":
-        return ("pipeline", -1)
-    pp = parallelism.get("pp", 1)
-    return (str(parallelism.name), int(pp)) if pp > 1 else None
+    """A layout's pipeline (its option's name and its ``pp``; -1 spans the rest of the ranks, as the ``pipeline``
+    preset does), or None when it has none."""
+    pp = -1 if parallelism.name == "pipeline" else int(parallelism.get("pp", 1))  # older configs had no pp key
+    return (str(parallelism.name), pp) if pp == -1 or pp > 1 else None
 
 
 def describe_pipeline(parallelism: DictConfig) -> str:
     layout = pipeline_layout(parallelism)
     if layout is None:
         return f"parallelism={parallelism.name} without a pipeline"
-    return "parallelism=pipeline" if layout[1] == -1 else f"parallelism={layout[0]} parallelism.pp={layout[1]}"
+    return f"parallelism={layout[0]}" if layout[1] == -1 else f"parallelism={layout[0]} parallelism.pp={layout[1]}"
 
 
 def check_resumable(cfg: DictConfig, checkpoint: Path) -> None:

@@ -1,49 +1,24 @@
-"""``parallelism=fsdp``: PyTorch FSDP2 (``fully_shard``) on each of the model's blocks and on the root."""
+"""PyTorch FSDP2 (``fully_shard``) on each of the model's blocks and on the root, over a mesh's data-parallel axes.
+
+Collectives: before each block's forward (and again before its backward when ``stage=3``) an all-gather of its
+parameters; after its backward a reduce-scatter of its gradients (on the last micro-batch of a step only: earlier
+micro-batches accumulate unsharded gradients locally; with HSDP's replicas, then an all-reduce across them).
+``stage=2`` keeps each block's gathered parameters from forward to backward (ZeRO-2-like: one all-gather per step,
+more memory); ``stage=3`` frees them after forward (ZeRO-3). Between steps every rank holds only its shards.
+"""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from distrain.models.spec import spec_of
-from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
 from distrain.precision.policy import PrecisionPolicy
-
-DP_AXIS = "dp"
-
-
-class FSDPStrategy(LocalBackwardStrategy):
-    """Parameters, gradients and optimizer state sharded over all ranks (one shard per rank, as DTensors).
-
-    Collectives: before each block's forward (and again before its backward when ``stage=3``) an all-gather of
-    its parameters; after its backward a reduce-scatter of its gradients (on the last micro-batch of a step only:
-    earlier micro-batches accumulate unsharded gradients locally). ``stage=2`` keeps each block's gathered
-    parameters from forward to backward (ZeRO-2-like: one all-gather per step, more memory); ``stage=3`` frees
-    them after forward (ZeRO-3). Between steps both hold only shards.
-
-    Args:
-        name: the option's name.
-        stage: 2 or 3, as above.
-        cpu_offload: keep parameter, gradient and optimizer shards in CPU memory (GPU runs only).
-    """
-
-    def __init__(self, *, name: str = "fsdp", stage: int, cpu_offload: bool) -> None:
-        self.name, self.stage, self.cpu_offload = name, stage, cpu_offload
-
-    def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
-        mesh = init_device_mesh(ctx.env.device.type, (ctx.env.world_size,), mesh_dim_names=(DP_AXIS,))
-        return shard_blocks_and_root(model, mesh, ctx.precision, stage=self.stage, cpu_offload=self.cpu_offload)
-
-    def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
-        self.model.set_requires_gradient_sync(enabled)
-        return contextlib.nullcontext()
 
 
 def shard_blocks_and_root(

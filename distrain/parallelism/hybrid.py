@@ -36,14 +36,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel as vocabulary_parallel_loss
 
 from distrain.data.sampler import Batch
 from distrain.models.spec import spec_of
-from distrain.parallelism.base import StepResult, StrategyContext, clip_grad_norm_across_meshes
+from distrain.parallelism.base import (
+    LocalBackwardStrategy,
+    StepResult,
+    StrategyContext,
+    clip_grad_norm_across_meshes,
+    scale_to_norm,
+    squared_grad_norm,
+)
 from distrain.parallelism.context import ContextParallel, shard_sequence
 from distrain.parallelism.fsdp import shard_blocks_and_root
 from distrain.parallelism.pipeline import PipelineStrategy
-from distrain.parallelism.tensor import TensorParallelStrategy, parallelize_model
+from distrain.parallelism.tensor import parallelize_model
 from distrain.precision.policy import PrecisionPolicy
 
 AXES = ("pp", "dp", "tp")  # always in the mesh, even at degree 1
@@ -74,18 +82,22 @@ class MeshDegrees:
         cp: int = 1,
         ep: int = 1,
     ) -> MeshDegrees:
-        """The degrees for ``world_size`` ranks (``ranks_per_node`` resolves ``replicate=-1``); ValueError names
-        the mismatch."""
-        model_copy = tp * pp * cp  # the ranks that hold one copy of the model and read one batch
+        """The degrees for ``world_size`` ranks: one of ``dp``, ``tp``, ``pp`` may be -1, the rest of the world size
+        (the ``fsdp`` preset leaves dp, ``tensor`` tp, ``pipeline`` pp); ``ranks_per_node`` resolves
+        ``replicate=-1``. ValueError names the mismatch."""
+        free = [name for name, degree in (("dp", dp), ("tp", tp), ("pp", pp)) if degree == -1]
+        if len(free) > 1:
+            raise ValueError(f"only one of dp, tp, pp may be -1 (the rest of the world size), not {' and '.join(free)}")
+        model_copy = max(tp, 1) * max(pp, 1) * cp  # the ranks that hold one copy of the model and read one batch
         if replicate == -1:  # one copy per node, or per model copy when one spans several nodes
             replicate = max(1, world_size // max(ranks_per_node or world_size, model_copy))
-        if dp == -1:
-            if world_size % (model_copy * replicate):
-                raise ValueError(
-                    f"dp_replicate x cp x tp x pp = {replicate * model_copy} does not divide the world size "
-                    f"{world_size}"
-                )
-            dp = world_size // (model_copy * replicate)
+        fixed = replicate * max(dp, 1) * model_copy
+        if free:
+            if world_size % fixed:
+                product = " x ".join(n for n in ("dp_replicate", "dp", "cp", "tp", "pp") if n != free[0])
+                raise ValueError(f"{product} = {fixed} does not divide the world size {world_size}")
+            dp, tp, pp = (world_size // fixed if degree == -1 else degree for degree in (dp, tp, pp))
+            model_copy = tp * pp * cp
         if replicate * dp * model_copy != world_size:
             raise ValueError(
                 f"dp_replicate x dp x cp x tp x pp = {replicate} x {dp} x {cp} x {tp} x {pp} = "
@@ -141,10 +153,12 @@ def compose(
     stage: int,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Tensor parallelism on ``tp``, the experts split on ``ep``, then FSDP on ``dp`` (``dp_cp`` with context
     parallelism; sharded, or replicated when the mesh has a ``dp_shard`` axis), in place; axes of degree 1 are
-    skipped. The tensor options need a whole model (validation refuses them for pipeline stages)."""
+    skipped. The tensor options need a whole model (validation refuses them for pipeline stages); ``cpu_offload``
+    keeps FSDP's shards in CPU memory."""
     if degrees.tp > 1:
         parallelize_model(module, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     shard = "dp_cp" if degrees.cp > 1 else "dp"  # the ranks sharing one model copy's parameters
@@ -157,9 +171,12 @@ def compose(
     if degrees.dp > 1 and "dp_shard" in (mesh.mesh_dim_names or ()):
         shard_blocks_and_root(module, mesh["dp", "dp_shard"], precision, stage=2)
     elif degrees.replicate > 1:  # HSDP: gradients reduce-scattered within dp, then all-reduced across replicas
-        shard_blocks_and_root(module, axes(mesh, "dp_replicate", shard), precision, stage=stage, ignored_params=ignored)
+        sharded = axes(mesh, "dp_replicate", shard)
+        shard_blocks_and_root(module, sharded, precision, stage=stage, cpu_offload=cpu_offload, ignored_params=ignored)
     elif degrees.dp * degrees.cp > 1:
-        shard_blocks_and_root(module, axes(mesh, shard), precision, stage=stage, ignored_params=ignored)
+        shard_blocks_and_root(
+            module, axes(mesh, shard), precision, stage=stage, cpu_offload=cpu_offload, ignored_params=ignored
+        )
     return module
 
 
@@ -175,6 +192,7 @@ class HybridLayout:
     dp_replicate: int = 1
     cp: int = 1
     ep: int = 1
+    cpu_offload: bool = False
 
     def degrees(self, world_size: int, ranks_per_node: int | None) -> MeshDegrees:
         return MeshDegrees.resolve(
@@ -220,7 +238,8 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     virtual_stages: int,
     split_points: list[int],
     activation_checkpointing: list[int],
-) -> PipelineStrategy | TensorParallelStrategy:
+    cpu_offload: bool = False,
+) -> PipelineStrategy | LocalBackwardStrategy:
     """A pipeline of composed stages when ``pp > 1``, else one composed model driven like the other local-backward
     strategies; the mesh is built at setup, when the world size is known.
 
@@ -242,11 +261,23 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
         sequence_parallel, loss_parallel: tensor parallelism's options (``pp == 1`` only).
         schedule, microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's, as in
             ``parallelism=pipeline``.
+        cpu_offload: FSDP's parameter, gradient and optimizer shards kept in CPU memory (GPU runs only).
+
+    ``parallelism=fsdp``, ``hsdp``, ``tensor`` and ``pipeline`` are presets of this strategy (config files that set
+    the degrees: ``dp=-1``, ``dp_replicate=-1``, ``tp=-1``, ``pp=-1`` with the other degrees 1).
     """
     layout = HybridLayout(
-        dp=dp, tp=tp, pp=pp, dp_mode=dp_mode, fsdp_stage=stage, dp_replicate=dp_replicate, cp=cp, ep=ep
-    )  # fmt: skip
-    if pp > 1:
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        dp_mode=dp_mode,
+        fsdp_stage=stage,
+        dp_replicate=dp_replicate,
+        cp=cp,
+        ep=ep,
+        cpu_offload=cpu_offload,
+    )
+    if pp != 1:  # -1: a pipeline over the ranks the other degrees leave
         return _ComposedPipeline(
             layout,
             name=name,
@@ -259,13 +290,16 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     return _ComposedModel(layout, name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-class _ComposedModel(TensorParallelStrategy):
+class _ComposedModel(LocalBackwardStrategy):
     """pp == 1: the whole model, tensor-parallel on ``tp``, its experts split on ``ep``, FSDP-sharded (or replicated)
     on ``dp`` (x ``cp``), each sequence split over ``cp``."""
 
     def __init__(self, layout: HybridLayout, *, name: str, sequence_parallel: bool, loss_parallel: bool) -> None:
-        super().__init__(name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        self.name, self.sequence_parallel, self.loss_parallel = name, sequence_parallel, loss_parallel
         self.layout = layout
+
+    def loss_context(self) -> AbstractContextManager[None]:
+        return vocabulary_parallel_loss() if self.loss_parallel else contextlib.nullcontext()
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         self.mesh, self.degrees = self.layout.build(ctx.env.world_size, ctx.env.device.type, ctx.env.local_world_size)
@@ -284,6 +318,7 @@ class _ComposedModel(TensorParallelStrategy):
             self.layout.fsdp_stage,
             self.sequence_parallel,
             self.loss_parallel,
+            self.layout.cpu_offload,
         )
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
@@ -302,8 +337,12 @@ class _ComposedModel(TensorParallelStrategy):
         return Batch(shard_sequence(batch.inputs, cp, rank), shard_sequence(batch.targets, cp, rank))
 
     def clip_gradients(self) -> torch.Tensor:
+        """Norm over sharded (DTensor) and whole gradients alike: each DTensor gradient's norm is reduced over its
+        mesh by DTensor; gradients replicated over tp are identical there and counted once."""
         if self.degrees.ep == 1:
-            return super().clip_gradients()
+            self.scaler.unscale_(self.optimizer)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            return scale_to_norm(grads, squared_grad_norm(grads, self.device), self.ctx.grad_clip_norm)
         # The experts are outside FSDP: their gradients are scaled (and reduced over replicas) here, then every
         # gradient is clipped by one norm over both meshes (one all-reduce per mesh).
         spec_of(self.unwrapped).expert_parallel.sync_gradients(self.unwrapped)
@@ -337,7 +376,10 @@ class _ComposedPipeline(PipelineStrategy):
         return self.mesh["pp"].get_local_rank(), self.degrees.pp, self.mesh["pp"].get_group()
 
     def parallelize_stage(self, module: nn.Module) -> nn.Module:
-        return compose(module, self.mesh, self.degrees, self.ctx.precision, self.layout.fsdp_stage)
+        layout = self.layout
+        return compose(
+            module, self.mesh, self.degrees, self.ctx.precision, layout.fsdp_stage, cpu_offload=layout.cpu_offload
+        )
 
     @property
     def data_parallel(self) -> tuple[int, int]:

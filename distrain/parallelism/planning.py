@@ -34,14 +34,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from distrain.models.spec import spec_of
 from distrain.parallelism.ddp import DDPStrategy
-from distrain.parallelism.fsdp import FSDPStrategy
 from distrain.parallelism.hybrid import MeshDegrees, _ComposedModel, _ComposedPipeline, build_mesh, compose
 from distrain.parallelism.memory import local, predicted_model_state
 from distrain.parallelism.pipeline import PipelineStrategy, rank_stages, split_stages
 from distrain.parallelism.planning_layouts import not_gathered, whole_model_activations
 from distrain.parallelism.recompute import apply_activation_checkpointing, saved_activation_bytes
 from distrain.parallelism.single import SingleProcessStrategy
-from distrain.parallelism.tensor import TensorParallelStrategy
 from distrain.parallelism.zero import ZeroStrategy
 from distrain.precision.policy import PrecisionPolicy
 
@@ -107,17 +105,6 @@ def _layout(strategy: object, world_size: int, ranks_per_node: int | None = None
             loss_parallel=bool(tensor and tensor.loss_parallel),
             pipeline=strategy if isinstance(strategy, _ComposedPipeline) else None,
         )
-    if isinstance(strategy, PipelineStrategy):
-        return _Layout(MeshDegrees(pp=world_size, dp=1, tp=1), "replicate", pipeline=strategy)
-    if isinstance(strategy, TensorParallelStrategy):
-        return _Layout(
-            MeshDegrees(pp=1, dp=1, tp=world_size),
-            "replicate",
-            sequence_parallel=strategy.sequence_parallel,
-            loss_parallel=strategy.loss_parallel,
-        )
-    if isinstance(strategy, FSDPStrategy):
-        return _Layout(MeshDegrees(pp=1, dp=world_size, tp=1), "shard", strategy.stage)
     if isinstance(strategy, (DDPStrategy, SingleProcessStrategy)):
         return _Layout(MeshDegrees(pp=1, dp=world_size, tp=1), "replicate")
     raise TypeError(f"no memory plan for {type(strategy).__name__}")

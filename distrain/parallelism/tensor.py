@@ -1,4 +1,5 @@
-"""``parallelism=tensor``: Megatron-style tensor parallelism with DTensor over all ranks.
+"""Megatron-style tensor parallelism with DTensor on a mesh's ``tp`` axis (``parallelism=tensor``: every rank;
+``parallelism.tp`` of any mesh layout).
 
 The model's spec gives the plan, keyed to its own module names (``distrain.models.tensor_plans`` for the built-in
 decoders): in every block, q/k/v and the MLP's input projections are split by output columns (``ColwiseParallel``:
@@ -24,18 +25,11 @@ clipping. Every rank reads the same batch (no data parallelism inside pure tenso
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import AbstractContextManager
-
-import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 from distrain.models.spec import spec_of
-from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext, scale_to_norm, squared_grad_norm
-
-TP_AXIS = "tp"
 
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
@@ -45,35 +39,3 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: 
     a pipeline stage; parameters outside the plan stay plain tensors, replicated."""
     plan = spec_of(model).tensor_plan_for(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     return parallelize_module(model, mesh, plan)
-
-
-class TensorParallelStrategy(LocalBackwardStrategy):
-    """Tensor parallelism of every transformer block over all ranks (a 1-D ``tp`` mesh).
-
-    Args:
-        sequence_parallel: norms, dropout and the residual stream split along the sequence (see module doc).
-        loss_parallel: cross-entropy on vocabulary-sharded logits, without gathering them.
-    """
-
-    def __init__(self, *, name: str = "tensor", sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
-        self.name, self.sequence_parallel, self.loss_parallel = name, sequence_parallel, loss_parallel
-
-    def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
-        mesh = init_device_mesh(ctx.env.device.type, (ctx.env.world_size,), mesh_dim_names=(TP_AXIS,))
-        return parallelize_model(
-            model, mesh, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel
-        )
-
-    def loss_context(self) -> AbstractContextManager[None]:
-        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
-
-    @property
-    def data_parallel(self) -> tuple[int, int]:
-        return 0, 1  # every rank reads the same batch
-
-    def clip_gradients(self) -> torch.Tensor:
-        """Norm over sharded (DTensor) and replicated gradients alike: each sharded gradient's norm is reduced over
-        the mesh by DTensor; replicated gradients are identical on every rank and counted once."""
-        self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return scale_to_norm(grads, squared_grad_norm(grads, self.device), self.ctx.grad_clip_norm)

@@ -46,7 +46,7 @@ BAD_INPUTS = [
     ("comm=powersgd comm.rank=0", "comm.rank", ">= 1"),
     ("parallelism=hybrid parallelism.dp=2 parallelism.tp=2", "parallelism.dp", "product is the world size 2"),
     ("parallelism=hybrid parallelism.tp=3", "parallelism.tp", "dp_replicate x cp x tp x pp = 3 does not divide"),
-    ("parallelism=hybrid precision=fp16", "precision", "fp32 or bf16 with parallelism=hybrid"),
+    ("parallelism=hybrid parallelism.tp=2 precision=fp16", "precision", "fp32 or bf16 with parallelism=hybrid"),
     ("activation_checkpointing=selective activation_checkpointing_every=0", "activation_checkpointing_every", ">= 1"),
     ("comm=hierarchical comm.ranks_per_node=3", "comm.ranks_per_node", "divisor of the world size (2)"),
     ("compile=true compile_backend=turbo", "compile_backend", "inductor, openxla, tvm, aot_eager, eager"),

@@ -1,0 +1,74 @@
+"""The fsdp, hsdp, tensor and pipeline options are presets of the one mesh layout (``parallelism=hybrid``): config
+files that set its degrees, no classes of their own. A user adds a layout with one config file in their own config
+directory, and it trains and validates like the built-in ones."""
+
+import json
+
+import pytest
+from helpers import FAST, REPO, compose_config, run_train
+from hydra.utils import instantiate
+
+from distrain.parallelism.hybrid import _ComposedModel, _ComposedPipeline
+from distrain.validate import ConfigError, validate
+from distrain.validate_parallelism import hybrid_degrees
+
+pytestmark = pytest.mark.integration
+
+DEGREES = ("replicate", "dp", "cp", "tp", "pp")
+
+
+@pytest.mark.parametrize(
+    "overrides, ranks, expected",
+    [
+        (["parallelism=fsdp"], 4, (1, 4, 1, 1, 1)),
+        (["parallelism=tensor"], 4, (1, 1, 1, 4, 1)),
+        (["parallelism=pipeline"], 4, (1, 1, 1, 1, 4)),
+        (["parallelism=tensor", "parallelism.dp=2"], 4, (1, 2, 1, 2, 1)),  # a preset's other degrees compose
+        (["parallelism=pipeline", "parallelism.dp=2"], 8, (1, 2, 1, 1, 4)),
+        (["parallelism=fsdp", "parallelism.tp=2"], 8, (1, 4, 1, 2, 1)),
+    ],
+)
+def test_the_presets_resolve_their_minus_one_to_the_rest_of_the_ranks(overrides, ranks, expected):
+    degrees = hybrid_degrees(compose_config([*FAST, *overrides]), ranks)
+    assert tuple(getattr(degrees, axis) for axis in DEGREES) == expected
+
+
+@pytest.mark.parametrize("preset", ["fsdp", "hsdp", "tensor", "pipeline"])
+def test_every_preset_is_built_by_the_mesh_layout(preset):
+    strategy = instantiate(compose_config([*FAST, f"parallelism={preset}"]).parallelism)
+    expected = _ComposedPipeline if preset == "pipeline" else _ComposedModel
+    assert type(strategy) is expected and strategy.name == preset
+
+
+def test_two_free_degrees_are_refused_in_one_line():
+    cfg = compose_config([*FAST, "parallelism=tensor", "parallelism.pp=-1"])
+    with pytest.raises(ConfigError, match="parallelism.pp=-1 is not allowed: .*only one of dp, tp, pp may be -1"):
+        validate(cfg)
+
+
+def test_a_users_preset_is_one_config_file_in_their_own_config_dir(tmp_path):
+    presets = tmp_path / "conf" / "parallelism"
+    presets.mkdir(parents=True)
+    (presets / "tp_pairs.yaml").write_text(
+        "defaults:\n  - /schema/parallelism/hybrid@_here_\n  - _self_\n\nname: tp_pairs\ntp: 2\n"
+    )
+    common = [*FAST, "distributed.nproc_per_node=2", "trainer.max_steps=3", "trainer.log_every=1"]
+    runs = {}
+    for name, args in (
+        ("tp_pairs", ["--config-dir", str(tmp_path / "conf"), "parallelism=tp_pairs"]),
+        ("tensor", ["parallelism=tensor"]),
+    ):
+        done = run_train([*args, *common, f"hydra.run.dir={tmp_path / name}"], cwd=REPO)
+        assert done.returncode == 0, done.stderr[-2000:]
+        records = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        runs[name] = ([json.loads(line)["loss"] for line in records if '"loss"' in line], summary)
+    (mine, my_summary), (tensor, _) = runs["tp_pairs"], runs["tensor"]
+    assert my_summary["parallelism"] == "tp_pairs" and my_summary["data_parallel"] == 1
+    assert len(mine) == 3 and max(abs(a - b) for a, b in zip(mine, tensor, strict=True)) < 1e-6
+    # Validated as a mesh layout: tp=2 on 3 ranks is named in one line before any rank starts.
+    bad = run_train(
+        ["--config-dir", str(tmp_path / "conf"), "parallelism=tp_pairs", *FAST, "distributed.nproc_per_node=3"],
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2 and "world size 3" in bad.stderr.strip().splitlines()[-1], bad.stderr[-1000:]
