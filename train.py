@@ -58,7 +58,7 @@ from distrain.monitor.window import LogWindow
 from distrain.overrides import composition_error, plain_overrides
 from distrain.parallelism.base import Strategy, StrategyContext
 from distrain.parallelism.compile import apply_compile, compile_report
-from distrain.parallelism.memory import optimizer_state_bytes_per_param, predicted_model_state_bytes
+from distrain.parallelism.memory import formula_layout, optimizer_state_bytes_per_param, predicted_model_state_bytes
 from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.preemption import REQUEUE_EXIT_CODE, StopRequest
 from distrain.seeding import seed_everything
@@ -234,12 +234,12 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
             **run.data.sampler.batch_settings(),
             # The ZeRO formulas cover data-parallel layouts; model-parallel ones are planned by dry_run=true.
             "predicted_model_state_bytes": None
-            if run.strategy.name not in ("single", "ddp", "zero", "fsdp")
+            if (formula := formula_layout(cfg, run.strategy, env.world_size)) is None
             else predicted_model_state_bytes(
-                strategy=run.strategy.name,
+                strategy=formula[0],
                 stage=cfg.parallelism.get("stage"),
                 num_params=run.model_parameters,
-                world_size=env.world_size,
+                world_size=formula[1],
                 optimizer_bytes=optimizer_state_bytes_per_param(
                     cfg.optimizer._target_.rsplit(".", 1)[1], cfg.optimizer.get("momentum", 0.0)
                 ),
@@ -314,6 +314,7 @@ def main(cfg: DictConfig) -> float | None:
                 run_dir=run_dir,
                 take_lock=launcher_rank() == 0,
                 held=held,
+                world_size=plan.world_size,
             )
         except ConfigError as err:
             refuse(err)

@@ -93,7 +93,7 @@ class HybridConfig:
     dp_replicate: int = 1  # copies of the dp-sharded model (HSDP when > 1); -1: one per node
     dp: int = -1  # data-parallel (FSDP sharding) degree; -1: the world size / (dp_replicate x cp x tp x pp)
     tp: int = 1  # tensor-parallel degree; -1: the rest of the world size (one of dp, tp, pp may be -1)
-    pp: int = 1  # pipeline stages (ranks), -1 as tp; with pp > 1 the pipeline keys below apply
+    pp: int = 1  # pipeline stages (ranks), -1 as tp; with pp != 1 the pipeline keys below apply
     cp: int = 1  # context-parallel degree: every sequence split over cp ranks (pp = 1 only)
     ep: int = 1  # expert-parallel degree: a model's experts split over ep of the dp ranks (ep divides dp)
     stage: int = "${stage_or:3}"  # FSDP on dp: 2 keeps gathered parameters forward to backward; 3 reshards

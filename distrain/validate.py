@@ -62,6 +62,7 @@ class LaunchPlan:
 
     device_type: str
     nproc_per_node: int
+    world_size: int  # all ranks of the job (every node's)
 
 
 def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
@@ -140,7 +141,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     if is_mesh_layout(cfg):
         validate_hybrid(cfg, world_size, ranks_per_node=local)
     validate_data_fits(cfg, world_size, local)  # after the degrees are known to be valid
-    return LaunchPlan(device_type=device_type, nproc_per_node=nproc)
+    return LaunchPlan(device_type=device_type, nproc_per_node=nproc, world_size=world_size)
 
 
 def _validate_training(cfg: DictConfig) -> None:

@@ -135,6 +135,12 @@ def validate_comm(cfg: DictConfig, world_size: int) -> None:
 def validate_sharding(cfg: DictConfig, device_type: str) -> None:
     """Stages, offload and precision for the sharded strategies (zero, and the mesh layouts that shard over dp)."""
     strategy, stages = cfg.parallelism.name, sharding_stages(cfg)
+    if is_mesh_layout(cfg) and cfg.parallelism.cpu_offload:
+        if device_type != "cuda":
+            allowed = "false on cpu: offload moves shards from GPU to CPU memory; on cpu they are there"
+            raise ConfigError("parallelism.cpu_offload", True, allowed)
+        if cfg.parallelism.dp_mode != "fsdp":
+            raise ConfigError("parallelism.cpu_offload", True, "false with dp_mode=replicate (it offloads FSDP shards)")
     if not stages:
         if cfg.stage is not None:
             allowed = f"parallelism={strategy} takes no stage; stages apply to {STAGE_TAKERS}"
@@ -144,10 +150,6 @@ def validate_sharding(cfg: DictConfig, device_type: str) -> None:
     key = "stage" if cfg.stage is not None else "parallelism.stage"
     if stage not in stages:
         raise ConfigError(key, stage, f"parallelism={strategy} takes stage {' or '.join(map(str, stages))}")
-    if is_mesh_layout(cfg) and cfg.parallelism.cpu_offload and device_type != "cuda":
-        raise ConfigError(
-            "parallelism.cpu_offload", True, "offload moves shards from GPU to CPU memory; on cpu they are there"
-        )
     if strategy == "zero":
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError("parallelism", "zero", "DeepSpeed is not installed (pip install deepspeed)")
@@ -284,8 +286,13 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
     if degrees.dp % hybrid.ep:
         allowed = f"a divisor of the data-parallel degree dp = {degrees.dp} (the experts are split over dp)"
         raise ConfigError("parallelism.ep", hybrid.ep, allowed)
-    if cfg.precision.compute_dtype == "float16" and degrees.tp * degrees.pp * degrees.cp * hybrid.ep > 1:
-        allowed = f"fp32 or bf16 with parallelism={hybrid.name} and tp, pp, cp or ep > 1 (no loss scaler there)"
+    # fp16's loss scaler and background saves are tested with FSDP over the ranks alone (the fsdp preset) only.
+    sharded_only = degrees.tp * degrees.pp * degrees.cp * hybrid.ep * degrees.replicate == 1
+    sharded_only = sharded_only and hybrid.pp != -1 and hybrid.dp_mode == "fsdp"
+    if cfg.precision.compute_dtype == "float16" and not sharded_only:
+        allowed = (
+            f"fp32 or bf16 with parallelism={hybrid.name} (fp16's loss scaler: FSDP over dp alone, the fsdp preset)"
+        )
         raise ConfigError("precision", cfg.precision.name, allowed)
     if degrees.cp > 1:
         validate_context(cfg, degrees)
@@ -302,26 +309,25 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
         validate_pipeline(cfg, degrees.pp)
         for option in ("sequence_parallel", "loss_parallel"):
             if hybrid[option]:
-                raise ConfigError(f"parallelism.{option}", True, "false with parallelism.pp > 1 (whole models only)")
-    if cfg.checkpoint.async_save and degrees.tp * degrees.pp > 1:
-        raise ConfigError("checkpoint.async_save", True, f"false with parallelism={hybrid.name} (tp or pp > 1)")
+                raise ConfigError(
+                    f"parallelism.{option}", True, "false with a pipeline, parallelism.pp != 1 (whole models only)"
+                )
+    if cfg.checkpoint.async_save and not sharded_only:
+        raise ConfigError("checkpoint.async_save", True, f"false with parallelism={hybrid.name} (fsdp's only)")
 
 
 def _misfit_degree(hybrid: DictConfig, world_size: int) -> tuple[str, int]:
-    """The key and value to name when the degrees do not multiply to the world size: an explicit dp first, else
-    the other degree that was set."""
+    """The key and value to name when the degrees do not fit the world size: the first degree set (not 1 or -1)
+    that does not divide it, else the last one set, else the free ones (two -1s; the message names both)."""
     free = [axis for axis in ("dp", "tp", "pp") if hybrid[axis] == -1]
-    if len(free) > 1:  # the message names them all
+    if len(free) > 1:
         return f"parallelism.{free[-1]}", -1
-    if hybrid.dp != -1 and -1 not in (hybrid.tp, hybrid.pp):
-        return "parallelism.dp", hybrid.dp
-    if hybrid.dp_replicate not in (-1, 1):
-        return "parallelism.dp_replicate", hybrid.dp_replicate
-    if hybrid.cp > 1 and (world_size % hybrid.cp or hybrid.tp == 1):
-        return "parallelism.cp", hybrid.cp
-    if hybrid.tp == -1 or hybrid.pp == -1:
-        return "parallelism.dp", hybrid.dp
-    return "parallelism.tp", hybrid.tp
+    chosen = [axis for axis in ("dp_replicate", "cp", "tp", "pp", "dp") if hybrid[axis] not in (-1, 1)]
+    for axis in chosen:
+        if world_size % hybrid[axis]:
+            return f"parallelism.{axis}", hybrid[axis]
+    axis = chosen[-1] if chosen else "dp"
+    return f"parallelism.{axis}", hybrid[axis]
 
 
 def validate_context(cfg: DictConfig, degrees: MeshDegrees) -> None:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distrain.checkpoint.checkpointer import (
     checkpoint_step,
+    checkpoint_world_size,
     newest_valid,
     remove_partial_saves,
     step_directories,
@@ -25,9 +26,17 @@ from distrain.config_checks import ConfigError
 
 
 def prepare_checkpoint_dir(
-    cfg: DictConfig, *, directory: Path, resume: str, run_dir: str, take_lock: bool, held: ExitStack
+    cfg: DictConfig,
+    *,
+    directory: Path,
+    resume: str,
+    run_dir: str,
+    take_lock: bool,
+    held: ExitStack,
+    world_size: int,
 ) -> Path | None:
-    """Lock ``directory`` for this job (released when ``held`` closes) and check it against ``cfg``.
+    """Lock ``directory`` for this job (released when ``held`` closes) and check it against ``cfg`` on
+    ``world_size`` ranks.
 
     Returns the checkpoint of a run already at ``trainer.max_steps`` (None: there is training to do). Raises
     ``ConfigError`` for a directory or a checkpoint this config cannot use, ``CheckpointDirInUse`` when another
@@ -54,27 +63,48 @@ def prepare_checkpoint_dir(
     source = newest_valid(directory, report=False) if resume == "auto" else Path(resume)
     if source is None:
         return None
-    check_resumable(cfg, source)
+    check_resumable(cfg, source, world_size)
     return source if checkpoint_step(source) >= cfg.trainer.max_steps else None
 
 
-def pipeline_layout(parallelism: DictConfig) -> tuple[str, int] | None:
-    """A layout's pipeline (its option's name and its ``pp``; -1 spans the rest of the ranks, as the ``pipeline``
-    preset does), or None when it has none."""
-    pp = -1 if parallelism.name == "pipeline" else int(parallelism.get("pp", 1))  # older configs had no pp key
-    return (str(parallelism.name), pp) if pp == -1 or pp > 1 else None
+def pipeline_layout(parallelism: DictConfig, world_size: int) -> tuple[int, int, tuple[int, ...]] | None:
+    """How a layout splits the model into pipeline stages on ``world_size`` ranks: (pp resolved, stages per rank,
+    split points), or None when it has no pipeline. What a pipeline checkpoint's per-stage optimizer state needs."""
+    from distrain.parallelism.hybrid import MeshDegrees
+
+    pp = parallelism.get("pp", -1 if parallelism.name == "pipeline" else 1)  # older configs: pipeline had no pp
+    if pp == -1:
+        try:
+            pp = MeshDegrees.resolve(
+                dp=int(parallelism.get("dp", 1)),
+                tp=int(parallelism.get("tp", 1)),
+                pp=-1,
+                world_size=world_size,
+                replicate=max(1, int(parallelism.get("dp_replicate", 1))),
+                cp=int(parallelism.get("cp", 1)),
+            ).pp
+        except ValueError:
+            return (-1, 1, ())  # degrees that do not fit: validation names them
+    elif pp == 1:
+        return None
+    virtual = int(parallelism.virtual_stages) if parallelism.get("schedule") == "interleaved" else 1
+    return (int(pp), virtual, tuple(parallelism.get("split_points", ())))
 
 
-def describe_pipeline(parallelism: DictConfig) -> str:
-    layout = pipeline_layout(parallelism)
+def describe_pipeline(parallelism: DictConfig, world_size: int) -> str:
+    layout = pipeline_layout(parallelism, world_size)
     if layout is None:
         return f"parallelism={parallelism.name} without a pipeline"
-    return f"parallelism={layout[0]}" if layout[1] == -1 else f"parallelism={layout[0]} parallelism.pp={layout[1]}"
+    pp, virtual, split = layout
+    per_rank = f" x {virtual} virtual stages per rank" if virtual > 1 else ""
+    at = f" split at blocks {list(split)}" if split else ""
+    return f"parallelism={parallelism.name} with {pp} pipeline stages{per_rank}{at} on {world_size} ranks"
 
 
-def check_resumable(cfg: DictConfig, checkpoint: Path) -> None:
-    """Refuse to resume ``checkpoint`` with a different model, optimizer or checkpoint format (DeepSpeed's own
-    for zero, DCP's for the others) than the one it was saved with (its ``config.yaml``)."""
+def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
+    """Refuse to resume ``checkpoint`` on ``world_size`` ranks with a different model, optimizer or checkpoint
+    format (DeepSpeed's own for zero, DCP's for the others) than the one it was saved with (its ``config.yaml``),
+    or with another split into pipeline stages."""
     saved_file = checkpoint / "config.yaml"
     if not saved_file.is_file():
         return
@@ -90,11 +120,12 @@ def check_resumable(cfg: DictConfig, checkpoint: Path) -> None:
     if (saved.parallelism.name == "zero") != (cfg.parallelism.name == "zero"):
         formats = "DeepSpeed's format (parallelism=zero)" if saved.parallelism.name == "zero" else "DCP's format"
         raise ConfigError("parallelism", cfg.parallelism.name, f"a strategy that reads {formats}, {where}")
-    saved_stages, stages = pipeline_layout(saved.parallelism), pipeline_layout(cfg.parallelism)
+    saved_ranks = checkpoint_world_size(checkpoint) or world_size
+    saved_stages, stages = pipeline_layout(saved.parallelism, saved_ranks), pipeline_layout(cfg.parallelism, world_size)
     if (saved_stages or stages) and saved_stages != stages:
         raise ConfigError(
             "parallelism",
             cfg.parallelism.name,
-            f"{describe_pipeline(saved.parallelism)} {where}: a pipeline's optimizer state is saved per stage, so it "
-            "resumes under the same pipeline layout only",
+            f"{describe_pipeline(saved.parallelism, saved_ranks)} {where}: a pipeline's optimizer state is saved per "
+            "stage, so it resumes under the same stages only",
         )

@@ -45,8 +45,6 @@ from distrain.parallelism.base import (
     StepResult,
     StrategyContext,
     clip_grad_norm_across_meshes,
-    scale_to_norm,
-    squared_grad_norm,
 )
 from distrain.parallelism.context import ContextParallel, shard_sequence
 from distrain.parallelism.fsdp import shard_blocks_and_root
@@ -60,7 +58,8 @@ AXES = ("pp", "dp", "tp")  # always in the mesh, even at degree 1
 @dataclass(frozen=True)
 class MeshDegrees:
     """Degrees of the axes: ``replicate`` copies of an FSDP group of ``dp`` ranks (HSDP when both exceed 1), ``tp``
-    and ``pp``. In config ``dp=-1`` means "the rest of the world size", ``dp_replicate=-1`` "one per node"."""
+    and ``pp``. In config one of ``dp``, ``tp``, ``pp`` may be -1, "the rest of the world size"; ``dp_replicate=-1``
+    means "one per node"."""
 
     pp: int
     dp: int
@@ -173,7 +172,7 @@ def compose(
     elif degrees.replicate > 1:  # HSDP: gradients reduce-scattered within dp, then all-reduced across replicas
         sharded = axes(mesh, "dp_replicate", shard)
         shard_blocks_and_root(module, sharded, precision, stage=stage, cpu_offload=cpu_offload, ignored_params=ignored)
-    elif degrees.dp * degrees.cp > 1:
+    elif degrees.dp * degrees.cp > 1 or cpu_offload:  # offload needs FSDP even over one rank (one GPU)
         shard_blocks_and_root(
             module, axes(mesh, shard), precision, stage=stage, cpu_offload=cpu_offload, ignored_params=ignored
         )
@@ -240,15 +239,16 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     activation_checkpointing: list[int],
     cpu_offload: bool = False,
 ) -> PipelineStrategy | LocalBackwardStrategy:
-    """A pipeline of composed stages when ``pp > 1``, else one composed model driven like the other local-backward
-    strategies; the mesh is built at setup, when the world size is known.
+    """A pipeline of composed stages when ``pp != 1`` (-1: the ranks the other degrees leave, even one), else one
+    composed model driven like the other local-backward strategies; the mesh is built at setup, when the world size
+    is known.
 
     Args:
         dp_replicate: copies of the model's FSDP groups (HSDP: shard within a group of ``dp`` ranks, replicate
             across groups); -1: one per node.
         dp: data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x cp x tp x pp).
-        tp: tensor-parallel degree (heads and MLP units split).
-        pp: pipeline-parallel degree (stages).
+        tp: tensor-parallel degree (heads and MLP units split); -1 as dp (one of dp, tp, pp may be -1).
+        pp: pipeline-parallel degree (stages); -1 as dp.
         cp: context-parallel degree: every sequence split over ``cp`` ranks, load-balanced
             (``distrain.parallelism.context``); ``pp == 1`` only.
         ep: expert-parallel degree: the experts split over ``ep`` of the dp ranks, token-slots sent to their
@@ -264,7 +264,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
         cpu_offload: FSDP's parameter, gradient and optimizer shards kept in CPU memory (GPU runs only).
 
     ``parallelism=fsdp``, ``hsdp``, ``tensor`` and ``pipeline`` are presets of this strategy (config files that set
-    the degrees: ``dp=-1``, ``dp_replicate=-1``, ``tp=-1``, ``pp=-1`` with the other degrees 1).
+    the degrees: fsdp ``dp=-1``; hsdp ``dp_replicate=-1 dp=-1``; tensor ``dp=1 tp=-1``; pipeline ``dp=1 pp=-1``).
     """
     layout = HybridLayout(
         dp=dp,
@@ -337,21 +337,17 @@ class _ComposedModel(LocalBackwardStrategy):
         return Batch(shard_sequence(batch.inputs, cp, rank), shard_sequence(batch.targets, cp, rank))
 
     def clip_gradients(self) -> torch.Tensor:
-        """Norm over sharded (DTensor) and whole gradients alike: each DTensor gradient's norm is reduced over its
-        mesh by DTensor; gradients replicated over tp are identical there and counted once."""
-        if self.degrees.ep == 1:
-            self.scaler.unscale_(self.optimizer)
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            return scale_to_norm(grads, squared_grad_norm(grads, self.device), self.ctx.grad_clip_norm)
-        # The experts are outside FSDP: their gradients are scaled (and reduced over replicas) here, then every
-        # gradient is clipped by one norm over both meshes (one all-reduce per mesh).
-        spec_of(self.unwrapped).expert_parallel.sync_gradients(self.unwrapped)
+        """One norm over every gradient: DTensors on each mesh (FSDP's, tp's, the experts') reduced over that mesh
+        by one all-reduce, plain gradients (replicated over tp) counted once. Expert gradients, outside FSDP, are
+        first scaled (and reduced over their replicas) by the model's expert plan."""
+        if self.degrees.ep > 1:
+            spec_of(self.unwrapped).expert_parallel.sync_gradients(self.unwrapped)
         self.scaler.unscale_(self.optimizer)
         max_norm = self.ctx.grad_clip_norm if self.ctx.grad_clip_norm > 0 else math.inf
         return clip_grad_norm_across_meshes(self.model.parameters(), max_norm).detach()
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
-        if self.degrees.data_parallel * self.degrees.cp > 1:  # FSDP-wrapped: dp, cp, replicas, or several
+        if self.degrees.data_parallel * self.degrees.cp > 1 or self.layout.cpu_offload:  # FSDP-wrapped
             self.model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
@@ -361,7 +357,7 @@ class _ComposedModel(LocalBackwardStrategy):
 
 
 class _ComposedPipeline(PipelineStrategy):
-    """pp > 1: pipeline stages over ``pp``, each tensor-parallel on ``tp`` and FSDP-sharded (or replicated) on
+    """pp != 1: pipeline stages over ``pp``, each tensor-parallel on ``tp`` and FSDP-sharded (or replicated) on
     ``dp``."""
 
     def __init__(self, layout: HybridLayout, **pipeline: Any) -> None:

@@ -163,7 +163,8 @@ def predict_rank_memory(
                 precision,
                 lambda module, seq_len: _activation_bytes(module, workload.micro_batch_size, seq_len, precision),
             )
-            label = "every rank" if layout.dp_holds == "replicate" else "every rank (rank 0's shard, the largest)"
+            sharded = layout.dp_holds == "shard" and layout.degrees.dp * layout.degrees.cp * layout.degrees.tp > 1
+            label = "every rank (rank 0's shard, the largest)" if sharded else "every rank"
         rows.append(
             RankMemory(
                 ranks=label,

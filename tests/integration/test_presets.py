@@ -7,7 +7,9 @@ import json
 import pytest
 from helpers import FAST, REPO, compose_config, run_train
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
+from distrain.checkpoint.preflight import pipeline_layout
 from distrain.parallelism.hybrid import _ComposedModel, _ComposedPipeline
 from distrain.validate import ConfigError, validate
 from distrain.validate_parallelism import hybrid_degrees
@@ -72,3 +74,39 @@ def test_a_users_preset_is_one_config_file_in_their_own_config_dir(tmp_path):
         cwd=tmp_path,
     )
     assert bad.returncode == 2 and "world size 3" in bad.stderr.strip().splitlines()[-1], bad.stderr[-1000:]
+
+
+@pytest.mark.parametrize(
+    "overrides, ranks, key",
+    [
+        (["parallelism=pipeline", "parallelism.tp=2"], 3, "parallelism.tp=2"),
+        (["parallelism=tensor", "parallelism.tp=3"], 4, "parallelism.tp=3"),
+        (["parallelism=fsdp", "parallelism.pp=3"], 2, "parallelism.pp=3"),
+        (["parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"], 2, "parallelism.dp=2"),
+        (["parallelism=tensor", "precision=fp16"], 2, "precision='fp16'"),
+        (["parallelism=tensor", "parallelism.cpu_offload=true"], 2, "parallelism.cpu_offload=True"),
+    ],
+)
+def test_a_presets_bad_setting_names_the_key_the_user_set(overrides, ranks, key):
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_config([*FAST, *overrides, f"distributed.nproc_per_node={ranks}"]))
+    assert str(refused.value).startswith(f"{key} is not allowed"), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "parallelism, ranks, stages",
+    [
+        (["parallelism=pipeline"], 4, (4, 1, ())),
+        (["parallelism=pipeline", "parallelism.dp=2"], 4, (2, 1, ())),  # same name, other stages
+        (["parallelism=hybrid", "parallelism.pp=2"], 4, (2, 1, ())),  # other name, the same stages
+        (["parallelism=pipeline", "parallelism.schedule=interleaved"], 2, (2, 2, ())),
+        (["parallelism=fsdp"], 4, None),
+    ],
+)
+def test_a_pipeline_checkpoint_is_matched_by_its_resolved_stages(parallelism, ranks, stages):
+    assert pipeline_layout(compose_config([*FAST, *parallelism]).parallelism, ranks) == stages
+
+
+def test_a_pipeline_checkpoint_from_before_the_presets_spans_every_rank():
+    saved = OmegaConf.create({"name": "pipeline", "schedule": "1f1b", "microbatches": 4, "split_points": []})
+    assert pipeline_layout(saved, 2) == (2, 1, ())
