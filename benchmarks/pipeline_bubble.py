@@ -28,7 +28,7 @@ def run(schedule: str, microbatches: int, steps: int, run_dir: Path) -> dict[str
         [
             "parallelism=pipeline",
             f"parallelism.schedule={schedule}",
-            f"parallelism.microbatches={microbatches}",
+            f"parallelism.pipeline_microbatches={microbatches}",
             *MODEL,
             f"trainer.max_steps={steps}",
             "trainer.log_every=5",

@@ -96,16 +96,19 @@ class HybridConfig:
     pp: int = 1  # pipeline stages (ranks), -1 as tp; with pp != 1 the pipeline keys below apply
     cp: int = 1  # context-parallel degree: every sequence split over cp ranks (pp = 1 only)
     ep: int = 1  # expert-parallel degree: a model's experts split over ep of the dp ranks (ep divides dp)
-    stage: int = "${stage_or:3}"  # FSDP on dp: 2 keeps gathered parameters forward to backward; 3 reshards
+    fsdp_stage: int = "${stage_or:3}"  # FSDP on dp: 2 keeps gathered parameters forward to backward; 3 reshards
     dp_mode: DataParallelMode = DataParallelMode.fsdp  # replicate: whole copies, gradients all-reduced
     sequence_parallel: bool = False  # tp: norms, dropout and residual stream split along the sequence (pp=1 only)
     loss_parallel: bool = False  # tp: cross-entropy on vocabulary-sharded logits, never gathered (pp=1 only)
     schedule: Schedule = Schedule["1f1b"]  # gpipe | 1f1b | interleaved
-    microbatches: int = 4  # pipeline micro-batches per optimizer step
+    pipeline_microbatches: int = 4  # pipeline micro-batches per optimizer step (not data.micro_batch_size)
     virtual_stages: int = 2  # stages per pipeline rank with schedule=interleaved
     split_points: list[int] = field(default_factory=list)  # block indices where stages begin; empty: balanced
     activation_checkpointing: list[int] = field(default_factory=list)  # stages that recompute activations
     cpu_offload: bool = False  # FSDP's shards in CPU memory (GPU runs only)
+    # Old names, still read (validation logs one line naming the new key): fsdp_stage, pipeline_microbatches.
+    stage: int | None = None
+    microbatches: int | None = None
 
 
 @dataclass(kw_only=True)

@@ -6,6 +6,7 @@ allowed, then exits with status 2.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
 from distrain.validate_parallelism import (
+    adopt_renamed_keys,
     hybrid_degrees,
     is_mesh_layout,
     meta_model,
@@ -35,6 +37,8 @@ from distrain.validate_parallelism import (
     validate_hybrid,
     validate_sharding,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,8 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
             raise ConfigError("compile_backend", cfg.compile_backend, problem)
     # Under an outer launcher the ranks of a node are its LOCAL_WORLD_SIZE, as the strategy will see them.
     local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if inside_launcher() and not target else nproc
+    for note in adopt_renamed_keys(cfg):
+        log.warning(note)
     derive_accumulation(cfg, world_size, local)  # before the pipeline checks, which divide the step's sequences
     validate_comm(cfg, world_size)
     validate_sharding(cfg, device_type)

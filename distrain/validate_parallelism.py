@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from distrain.parallelism.hybrid import MeshDegrees
 
 MESH_LAYOUT = "distrain.parallelism.hybrid.HybridStrategy"  # the target of hybrid and of its presets
-# The stages a sharding strategy takes (top-level `stage=` or `parallelism.stage=`): ZeRO's, and FSDP's on the dp
-# axis of any preset of the mesh layout (named here as the options that shard by default).
+# The stages a sharding strategy takes (top-level `stage=`, or `parallelism.stage=` for ZeRO and
+# `parallelism.fsdp_stage=` for FSDP on the dp axis of a mesh layout; named here as the options that shard by default).
 ZERO_STAGES, FSDP_STAGES = (1, 2, 3), (2, 3)
 STAGE_TAKERS = "parallelism=zero (1/2/3), parallelism=fsdp (2/3), parallelism=hsdp (2/3), parallelism=hybrid (2/3)"
 
@@ -30,6 +30,30 @@ def is_mesh_layout(cfg: DictConfig) -> bool:
     """Whether the parallelism option is ``hybrid`` or a preset of it (a config file with its target: ``fsdp``,
     ``hsdp``, ``tensor``, ``pipeline``, or one of the user's own)."""
     return cfg.parallelism.get("_target_") == MESH_LAYOUT
+
+
+RENAMED = {"stage": "fsdp_stage", "microbatches": "pipeline_microbatches"}  # a mesh layout's old keys: new keys
+
+
+def adopt_renamed_keys(cfg: DictConfig) -> list[str]:
+    """Move a mesh layout's values set under an old key name onto the new key (in place); one line for each, naming
+    both. An old key whose value no new key could take is refused as the old key."""
+    notes = []
+    if not is_mesh_layout(cfg):
+        return notes
+    for old, new in RENAMED.items():
+        value = cfg.parallelism.get(old)
+        if value is None:
+            continue
+        if old == "stage" and value not in FSDP_STAGES:
+            allowed = f"parallelism={cfg.parallelism.name} takes stage 2 or 3 (its new name: parallelism.{new})"
+            raise ConfigError("parallelism.stage", value, allowed)
+        if old == "microbatches" and value < 1:
+            allowed = f"an integer >= 1 (its new name: parallelism.{new})"
+            raise ConfigError("parallelism.microbatches", value, allowed)
+        cfg.parallelism[new], cfg.parallelism[old] = value, None
+        notes.append(f"parallelism.{old} is now parallelism.{new}: using parallelism.{new}={value}")
+    return notes
 
 
 def sharding_stages(cfg: DictConfig) -> tuple[int, ...]:
@@ -146,8 +170,9 @@ def validate_sharding(cfg: DictConfig, device_type: str) -> None:
             allowed = f"parallelism={strategy} takes no stage; stages apply to {STAGE_TAKERS}"
             raise ConfigError("stage", cfg.stage, allowed)
         return
-    stage = cfg.parallelism.stage
-    key = "stage" if cfg.stage is not None else "parallelism.stage"
+    own_key = "fsdp_stage" if is_mesh_layout(cfg) else "stage"
+    stage = cfg.parallelism[own_key]
+    key = "stage" if cfg.stage is not None else f"parallelism.{own_key}"
     if stage not in stages:
         raise ConfigError(key, stage, f"parallelism={strategy} takes stage {' or '.join(map(str, stages))}")
     if strategy == "zero":
@@ -172,14 +197,13 @@ def validate_pipeline(cfg: DictConfig, world_size: int) -> None:
     """Schedule, stage count against blocks, micro-batch divisibility and split points; ``world_size``: the ranks
     of one pipeline."""
     pp = cfg.parallelism
-    check(cfg, "parallelism.microbatches", at_least(1), "an integer >= 1")
+    check(cfg, "parallelism.pipeline_microbatches", at_least(1), "an integer >= 1")
     virtual = pp.virtual_stages if pp.schedule == "interleaved" else 1
     if pp.schedule == "interleaved":
         check(cfg, "parallelism.virtual_stages", at_least(2), "an integer >= 2 with schedule=interleaved")
-        if pp.microbatches % world_size:
-            raise ConfigError(
-                "parallelism.microbatches", pp.microbatches, f"a multiple of the {world_size} ranks with interleaved"
-            )
+        if pp.pipeline_microbatches % world_size:
+            allowed = f"a multiple of the {world_size} ranks with interleaved"
+            raise ConfigError("parallelism.pipeline_microbatches", pp.pipeline_microbatches, allowed)
     stages = world_size * virtual
     model, spec = meta_model(cfg)
     raise_problem(cfg, spec.splittable_problem(model), "a pipeline")
@@ -191,10 +215,10 @@ def validate_pipeline(cfg: DictConfig, world_size: int) -> None:
             f"at most {blocks} stages (the model's blocks); {world_size} ranks x {virtual} virtual stages = {stages}",
         )
     sequences = cfg.data.micro_batch_size * cfg.trainer.grad_accum_steps
-    if sequences % pp.microbatches:
+    if sequences % pp.pipeline_microbatches:
         raise ConfigError(
-            "parallelism.microbatches",
-            pp.microbatches,
+            "parallelism.pipeline_microbatches",
+            pp.pipeline_microbatches,
             f"a divisor of the {sequences} sequences per step (data.micro_batch_size x trainer.grad_accum_steps)",
         )
     points = list(pp.split_points)

@@ -228,16 +228,18 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     pp: int,
     cp: int = 1,
     ep: int = 1,
-    stage: int,
+    fsdp_stage: int,
     dp_mode: str,
     sequence_parallel: bool,
     loss_parallel: bool,
     schedule: str,
-    microbatches: int,
+    pipeline_microbatches: int,
     virtual_stages: int,
     split_points: list[int],
     activation_checkpointing: list[int],
     cpu_offload: bool = False,
+    stage: int | None = None,
+    microbatches: int | None = None,
 ) -> PipelineStrategy | LocalBackwardStrategy:
     """A pipeline of composed stages when ``pp != 1`` (-1: the ranks the other degrees leave, even one), else one
     composed model driven like the other local-backward strategies; the mesh is built at setup, when the world size
@@ -253,15 +255,17 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
             (``distrain.parallelism.context``); ``pp == 1`` only.
         ep: expert-parallel degree: the experts split over ``ep`` of the dp ranks, token-slots sent to their
             expert's rank by all-to-all (the model spec's ``expert_parallel`` plan); FSDP shards the rest over dp.
-        stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees them.
+        fsdp_stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees
+            them.
         dp_mode: ``fsdp`` shards parameters, gradients and optimizer state over dp (reduce-scatter of gradients);
             ``replicate`` keeps them whole on every dp rank and all-reduces gradients once per step: DDP's
             semantics, through FSDP2's replicate dimension (the one data-parallel wrapper that composes with DTensor
             tensor parallelism and pipeline stages).
         sequence_parallel, loss_parallel: tensor parallelism's options (``pp == 1`` only).
-        schedule, microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's, as in
-            ``parallelism=pipeline``.
+        schedule, pipeline_microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's,
+            as in ``parallelism=pipeline``.
         cpu_offload: FSDP's parameter, gradient and optimizer shards kept in CPU memory (GPU runs only).
+        stage, microbatches: the old names of ``fsdp_stage`` and ``pipeline_microbatches``; they win when set.
 
     ``parallelism=fsdp``, ``hsdp``, ``tensor`` and ``pipeline`` are presets of this strategy (config files that set
     the degrees: fsdp ``dp=-1``; hsdp ``dp_replicate=-1 dp=-1``; tensor ``dp=1 tp=-1``; pipeline ``dp=1 pp=-1``).
@@ -271,7 +275,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
         tp=tp,
         pp=pp,
         dp_mode=dp_mode,
-        fsdp_stage=stage,
+        fsdp_stage=fsdp_stage if stage is None else stage,
         dp_replicate=dp_replicate,
         cp=cp,
         ep=ep,
@@ -282,7 +286,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
             layout,
             name=name,
             schedule=schedule,
-            microbatches=microbatches,
+            microbatches=pipeline_microbatches if microbatches is None else microbatches,
             virtual_stages=virtual_stages,
             split_points=split_points,
             activation_checkpointing=activation_checkpointing,

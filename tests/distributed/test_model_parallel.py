@@ -144,7 +144,9 @@ def test_measured_bubble_shrinks_with_micro_batches_as_theory_says():
     fractions must order the same way, far apart."""
     base = [*COMMON, "model.d_model=256", "model.max_seq_len=128", "data.micro_batch_size=16"]
     base += ["trainer.grad_accum_steps=1"]
-    cfgs = [to_plain(compose_config([*base, *SCHEDULES["gpipe"], f"parallelism.microbatches={m}"])) for m in (1, 8)]
+    cfgs = [
+        to_plain(compose_config([*base, *SCHEDULES["gpipe"], f"parallelism.pipeline_microbatches={m}"])) for m in (1, 8)
+    ]
     per_rank = on_ranks(busy_and_schedule_seconds, 2, cfgs, 6)
     for index, theory in enumerate((1 / 2, 1 / 9)):
         assert all(per_rank[rank][index][2] == pytest.approx(theory) for rank in (0, 1))
@@ -167,15 +169,23 @@ def test_stages_are_balanced_by_parameters():
     "overrides,key,allowed",
     [
         (["model.n_layers=1"], "parallelism", "at most 1 stages (the model's blocks)"),
-        (["parallelism.microbatches=3"], "parallelism.microbatches", "a divisor of the 8 sequences"),
+        (["parallelism.pipeline_microbatches=3"], "parallelism.pipeline_microbatches", "a divisor of the 8 sequences"),
         (["parallelism.split_points=[1,2]"], "parallelism.split_points", "1 increasing block indices"),
-        (["parallelism.schedule=interleaved", "parallelism.microbatches=1"], "parallelism.microbatches", "multiple"),
+        (
+            ["parallelism.schedule=interleaved", "parallelism.pipeline_microbatches=1"],
+            "parallelism.pipeline_microbatches",
+            "multiple",
+        ),
         (["parallelism=tensor", "model.n_heads=1"], "model.n_heads", "a multiple of the 2 tensor-parallel ranks"),
         (["parallelism=tensor", "model=mlp"], "model", "has no tensor-parallel plan"),
         (["parallelism=hybrid", "parallelism.pp=2", "parallelism.dp=2"], "parallelism.dp", "product is the world"),
         (["parallelism=hybrid", "parallelism.tp=2", "model.n_heads=1"], "model.n_heads", "2 tensor-parallel ranks"),
         (["parallelism=hybrid", "parallelism.pp=2", "model.n_layers=1"], "parallelism", "at most 1 stages"),
-        (["parallelism=hybrid", "parallelism.pp=2", "parallelism.microbatches=3"], "parallelism.microbatches", "8"),
+        (
+            ["parallelism=hybrid", "parallelism.pp=2", "parallelism.pipeline_microbatches=3"],
+            "parallelism.pipeline_microbatches",
+            "8",
+        ),
         (
             ["parallelism=hybrid", "parallelism.pp=2", "parallelism.loss_parallel=true"],
             "parallelism.loss_parallel",

@@ -110,3 +110,18 @@ def test_a_pipeline_checkpoint_is_matched_by_its_resolved_stages(parallelism, ra
 def test_a_pipeline_checkpoint_from_before_the_presets_spans_every_rank():
     saved = OmegaConf.create({"name": "pipeline", "schedule": "1f1b", "microbatches": 4, "split_points": []})
     assert pipeline_layout(saved, 2) == (2, 1, ())
+
+
+def test_old_key_names_still_work_and_name_the_new_key_in_one_line(tmp_path):
+    common = [*FAST, "distributed.nproc_per_node=2", "trainer.max_steps=2", "data.micro_batch_size=2"]
+    args = [*common, "parallelism=pipeline", "parallelism.microbatches=2", f"hydra.run.dir={tmp_path / 'old'}"]
+    done = run_train(args, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    notes = [line for line in (done.stdout + done.stderr).splitlines() if "is now parallelism." in line]
+    assert len(notes) == 1 and "parallelism.microbatches is now parallelism.pipeline_microbatches" in notes[0], notes
+    cfg = compose_config([*FAST, "parallelism=fsdp", "parallelism.stage=2", "parallelism.microbatches=8"])
+    validate(cfg)
+    assert (cfg.parallelism.fsdp_stage, cfg.parallelism.pipeline_microbatches) == (2, 8)
+    # A strategy built straight from the config (a notebook, no validation) reads the old names too.
+    old = instantiate(compose_config([*FAST, "parallelism=pipeline", "parallelism.microbatches=2"]).parallelism)
+    assert old.microbatches == 2

@@ -35,7 +35,7 @@ STRATEGIES = {
     "ddp": ["parallelism=ddp"],
     "fsdp": ["parallelism=fsdp"],
     "zero2": ["parallelism=zero", "stage=2"],
-    "pipeline": ["parallelism=pipeline", "parallelism.microbatches=2"],
+    "pipeline": ["parallelism=pipeline", "parallelism.pipeline_microbatches=2"],
 }
 SLOW_RANK = {"DISTRAIN_INJECT_DELAY": "0:0.15"}
 SEED = int(os.environ.get("DISTRAIN_KILL_SEED", "0"))

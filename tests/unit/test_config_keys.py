@@ -78,7 +78,8 @@ KEYS = {
     "data.prefetch": BOOL,
     "parallelism.name": free("set by each option's file; names the strategy in summaries"),
     "parallelism.find_unused_parameters": BOOL,
-    "parallelism.stage": (check("parallelism=fsdp", "parallelism.stage=1"), "takes stage 2 or 3"),
+    "parallelism.stage": (check("parallelism=fsdp", "parallelism.stage=1"), "takes stage 2 or 3 (its new name"),
+    "parallelism.fsdp_stage": (check("parallelism=fsdp", "parallelism.fsdp_stage=1"), "takes stage 2 or 3"),
     "parallelism.cpu_offload": (check("parallelism=fsdp", "parallelism.cpu_offload=true"), "on cpu they are there"),
     "parallelism.overlap_comm": BOOL,
     "parallelism.contiguous_gradients": BOOL,
@@ -102,7 +103,11 @@ KEYS = {
         "> 0",
     ),
     "parallelism.schedule": (compose("parallelism=pipeline", "parallelism.schedule=zb"), "[gpipe, 1f1b, interleaved]"),
-    "parallelism.microbatches": (check("parallelism=pipeline", "parallelism.microbatches=3"), "a divisor of the 4"),
+    "parallelism.microbatches": (check("parallelism=pipeline", "parallelism.microbatches=0"), "its new name"),
+    "parallelism.pipeline_microbatches": (
+        check("parallelism=pipeline", "parallelism.pipeline_microbatches=3"),
+        "a divisor of the 4",
+    ),
     "parallelism.virtual_stages": (
         check("parallelism=pipeline", "parallelism.schedule=interleaved", "parallelism.virtual_stages=1"),
         ">= 2 with schedule=interleaved",
