@@ -237,7 +237,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
             if (formula := formula_layout(cfg, run.strategy, env.world_size)) is None
             else predicted_model_state_bytes(
                 strategy=formula[0],
-                stage=cfg.parallelism.get("stage"),
+                stage=formula[2],
                 num_params=run.model_parameters,
                 world_size=formula[1],
                 optimizer_bytes=optimizer_state_bytes_per_param(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from hydra.utils import get_object, instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from distrain.config_checks import ConfigError, at_least, check, positive
@@ -33,11 +33,13 @@ def is_mesh_layout(cfg: DictConfig) -> bool:
 
 
 RENAMED = {"stage": "fsdp_stage", "microbatches": "pipeline_microbatches"}  # a mesh layout's old keys: new keys
+NEW_KEY_DEFAULTS = {"pipeline_microbatches": 4}
 
 
 def adopt_renamed_keys(cfg: DictConfig) -> list[str]:
     """Move a mesh layout's values set under an old key name onto the new key (in place); one line for each, naming
-    both. An old key whose value no new key could take is refused as the old key."""
+    both. An old key whose value no new key could take, or that contradicts a value set under the new key, is
+    refused as the old key."""
     notes = []
     if not is_mesh_layout(cfg):
         return notes
@@ -45,6 +47,13 @@ def adopt_renamed_keys(cfg: DictConfig) -> list[str]:
         value = cfg.parallelism.get(old)
         if value is None:
             continue
+        # The new key's own value counts as set when it is not the schema's default (for fsdp_stage: ${stage_or:3}).
+        new_set = not OmegaConf.is_interpolation(cfg.parallelism, new) if new == "fsdp_stage" else None
+        if new_set is None:
+            new_set = cfg.parallelism[new] != NEW_KEY_DEFAULTS[new]
+        if new_set and cfg.parallelism[new] != value:
+            allowed = f"unset: parallelism.{new}={cfg.parallelism[new]} is set too, and {new} is its new name"
+            raise ConfigError(f"parallelism.{old}", value, allowed)
         if old == "stage" and value not in FSDP_STAGES:
             allowed = f"parallelism={cfg.parallelism.name} takes stage 2 or 3 (its new name: parallelism.{new})"
             raise ConfigError("parallelism.stage", value, allowed)

@@ -160,17 +160,19 @@ def predicted_model_state(
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
 
 
-def formula_layout(cfg: DictConfig, strategy: object, world_size: int) -> tuple[str, int] | None:
-    """The ZeRO formulas' name for a data-parallel layout and the ranks it shards (or replicates) over: ``fsdp``
-    over the resolved dp of a mesh layout with no model-parallel axis (its replicas hold copies), ``ddp`` for its
-    replicate mode; None for model-parallel layouts, which ``dry_run=true`` plans."""
+def formula_layout(cfg: DictConfig, strategy: object, world_size: int) -> tuple[str, int, int | None] | None:
+    """The ZeRO formulas' name for a data-parallel layout, the ranks it shards (or replicates) over and its stage:
+    ``fsdp`` over the resolved dp of a mesh layout with no model-parallel axis (its replicas hold copies), ``ddp``
+    for its replicate mode; None for model-parallel layouts, which ``dry_run=true`` plans."""
     name = cfg.parallelism.name
     degrees = getattr(strategy, "degrees", None)  # a mesh layout's, resolved at setup
     if degrees is None:
-        return (name, world_size) if name in ("single", "ddp", "zero") else None
+        return (name, world_size, cfg.parallelism.get("stage")) if name in ("single", "ddp", "zero") else None
     if degrees.tp * degrees.pp * degrees.cp * degrees.ep > 1:
         return None
-    return ("fsdp", degrees.dp) if cfg.parallelism.dp_mode == "fsdp" else ("ddp", world_size)
+    if cfg.parallelism.dp_mode != "fsdp":
+        return ("ddp", world_size, None)
+    return ("fsdp", degrees.dp, cfg.parallelism.fsdp_stage)
 
 
 def predicted_model_state_bytes(**layout: object) -> int:

@@ -19,7 +19,13 @@ def run(tmp_path, name, *overrides):
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / name / "summary.json").read_text())
-    return [r["loss"] for r in records if "loss" in r], summary["model_state_bytes"]["total"]
+    measured = summary["model_state_bytes"]["total"]
+    # The ZeRO formula's prediction, from the resolved degrees (FSDP over dp, whole copies over replicas).
+    assert abs(summary["predicted_model_state_bytes"] / measured - 1) < 0.01, (
+        summary["predicted_model_state_bytes"],
+        measured,
+    )
+    return [r["loss"] for r in records if "loss" in r], measured
 
 
 def test_hsdp_on_2x2_has_ddps_losses_and_half_its_model_state(tmp_path):

@@ -125,3 +125,16 @@ def test_old_key_names_still_work_and_name_the_new_key_in_one_line(tmp_path):
     # A strategy built straight from the config (a notebook, no validation) reads the old names too.
     old = instantiate(compose_config([*FAST, "parallelism=pipeline", "parallelism.microbatches=2"]).parallelism)
     assert old.microbatches == 2
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallelism=fsdp", "parallelism.fsdp_stage=3", "parallelism.stage=2"],
+        ["parallelism=pipeline", "parallelism.pipeline_microbatches=8", "parallelism.microbatches=2"],
+    ],
+)
+def test_an_old_key_that_contradicts_its_new_name_is_refused(overrides):
+    old = overrides[-1].split("=")[0]
+    with pytest.raises(ConfigError, match=f"{old}=2 is not allowed: unset: .* is set too"):
+        validate(compose_config([*FAST, *overrides]))
