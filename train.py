@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
+import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -92,6 +93,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     """Build model, strategy (which wraps or shards it and builds the optimizer), data, reporting, checkpoints."""
     settings = TrainerConfig(**cfg.trainer)
     seed_everything(settings.seed)
+    torch.autograd.set_detect_anomaly(settings.detect_anomaly)
     model = instantiate(cfg.model)
     model_parameters = sum(p.numel() for p in model.parameters())
     flops_per_token = spec_of(model).flops_per_token(model, cfg.data.seq_len)
@@ -129,6 +131,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     train_windows = token_windows(corpus.train, cfg.data.seq_len)
     sampler = GlobalBatchSampler(
         num_samples=len(train_windows),
+        limit_batches=settings.overfit_batches,
         micro_batch_size=cfg.data.micro_batch_size,
         grad_accum_steps=settings.grad_accum_steps,
         dp_rank=dp_rank,
@@ -144,7 +147,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     )
     reporter = RunReporter(
         run_dir=run_dir,
-        tracker=instantiate(cfg.logger),
+        trackers={name: instantiate(tracker) for name, tracker in cfg.logger.items()},
         enabled=env.is_main,
         max_steps=settings.max_steps,
         progress_bar=settings.progress_bar,

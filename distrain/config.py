@@ -262,13 +262,6 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
-class NoTrackerConfig:
-    """No experiment tracker; metrics.jsonl in the run directory is always written."""
-
-    _target_: str = "distrain.logger.trackers.NullTracker"
-
-
-@dataclass(kw_only=True)
 class JsonlTrackerConfig:
     """Also append every record, tagged with the run's name, to one shared JSON-lines file."""
 
@@ -289,6 +282,25 @@ class WandbTrackerConfig:
     mode: WandbMode = WandbMode.auto  # auto (online with credentials, else offline) | online | offline | disabled
 
 
+@dataclass(kw_only=True)
+class TensorBoardTrackerConfig:
+    """TensorBoard event files, written by rank 0: ``tensorboard --logdir <run dir>/tensorboard``."""
+
+    _target_: str = "distrain.logger.tensorboard_tracker.TensorBoardTracker"
+    dir: str | None = None  # None: <run dir>/tensorboard; else <dir>/<run name>, so many runs share one logdir
+
+
+@dataclass(kw_only=True)
+class MlflowTrackerConfig:
+    """MLflow: one run per training job (rank 0) with params, metrics, and config and summary artifacts."""
+
+    _target_: str = "distrain.logger.mlflow_tracker.MlflowTracker"
+    tracking_uri: str | None = None  # None: sqlite:///<run dir>/mlflow.db; else sqlite:///..., http(s)://..., a path
+    experiment_name: str = "distrain"
+    run_name: str | None = None  # None: the run directory's name under outputs/ or multirun/
+    tags: dict[str, str] = field(default_factory=dict)
+
+
 # ---------------------------------------------------------------------------------------------- root
 
 
@@ -303,6 +315,8 @@ class TrainerConfig:
     eval_every: int = 100  # 0: evaluate only at the end
     eval_batches: int = 8  # validation micro-batches per rank
     progress_bar: bool = True
+    overfit_batches: int = 0  # >0: train on only the first N global batches, over and over (a model that learns)
+    detect_anomaly: bool = False  # autograd anomaly detection: the op that made a NaN/inf, with its traceback (slow)
 
 
 @dataclass(kw_only=True)
@@ -346,7 +360,7 @@ class Config:
     precision: PrecisionConfig = MISSING
     comm: Any = MISSING
     checkpoint: CheckpointConfig = MISSING
-    logger: Any = MISSING
+    logger: dict[str, Any] = field(default_factory=dict)  # tracker name -> its config; logger=[wandb,mlflow]
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -382,7 +396,12 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "hierarchical": HierarchicalCommConfig,
     },
     "checkpoint": {"dcp": CheckpointConfig},
-    "logger": {"none": NoTrackerConfig, "jsonl": JsonlTrackerConfig, "wandb": WandbTrackerConfig},
+    "logger": {
+        "jsonl": JsonlTrackerConfig,
+        "wandb": WandbTrackerConfig,
+        "tensorboard": TensorBoardTrackerConfig,
+        "mlflow": MlflowTrackerConfig,
+    },
 }
 
 CONFIG_GROUPS = ("model", "data", "parallelism", "optimizer", "precision", "comm", "checkpoint", "logger")

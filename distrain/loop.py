@@ -155,6 +155,8 @@ def train(
             window.exclude(time.perf_counter() - paused)  # evaluation and checkpoints stay out of throughput
             if len(record) > 1:
                 reporter.log(record)
+            else:
+                reporter.advance(state.step)
             maybe_inject_fault(dist.get_rank(), state.step)
         except Exception as err:  # noqa: BLE001 - any failure goes through the agreement below, then is re-raised
             failure = err

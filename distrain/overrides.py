@@ -37,8 +37,9 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
     except MissingConfigException as err:  # an option that is not in its group
-        group, _, option = (re.search(r"Could not find '([^']+)'", str(err)) or ["", "?"])[1].rpartition("/")
-        options = re.findall(r"^\t(\S+)$", str(err).split("Config search path")[0], flags=re.MULTILINE)
+        missing = re.search(r"Could not (?:find|load) '([^']+)'", str(err))
+        group, _, option = (missing[1] if missing else "?").rpartition("/")
+        options = sorted(path.stem for path in (config_dir / group).glob("*.yaml")) if group else []
         return f"{group}={option!r} is not allowed: one of {', '.join(options)}"
     except (ConfigCompositionException, OverrideParseException) as err:
         cause = err.__cause__
@@ -48,10 +49,21 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
             schema = getattr(cause, "object_type", None)
             if "not in" in reason:
                 known = _one_of(schema) if schema is not None and dataclasses.is_dataclass(schema) else reason
-                reason = f"no such key ({known})"
+                reason = _tracker_hint(cause.full_key, config_dir) or f"no such key ({known})"
             return f"{cause.full_key}={value!r} is not allowed: {reason}"
         return " ".join(str(err).split())
     return _added_to_a_schema(cfg, overrides)
+
+
+def _tracker_hint(full_key: str, config_dir: Path) -> str | None:
+    """``logger.<key>`` where ``<key>`` is not a selected tracker: each tracker's keys sit under its name."""
+    parts = full_key.split(".")
+    if parts[0] != "logger" or len(parts) != 2:
+        return None
+    trackers = sorted(path.stem for path in (config_dir / "logger").glob("*.yaml") if path.stem != "none")
+    if parts[1] in trackers:
+        return f"logger.{parts[1]} is not selected; select it with logger={parts[1]} or logger=[{parts[1]},...]"
+    return f"no such tracker; each tracker's keys sit under its name (logger.<{'|'.join(trackers)}>.<key>)"
 
 
 def _added_to_a_schema(cfg: DictConfig, overrides: list[str]) -> str | None:
@@ -82,6 +94,6 @@ def _one_of(schema: type) -> str:
 def _override_value(overrides: list[str], key: str) -> str:
     for override in reversed(overrides):
         name, _, value = override.lstrip("+~").partition("=")
-        if name == key:
+        if name == key or name.startswith(key + "."):
             return value
     return "?"

@@ -25,6 +25,7 @@ from distrain.data.tokens import check_dataset
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
+from distrain.logger.trackers import TrackerSetupError
 from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
 from distrain.validate_parallelism import (
@@ -98,6 +99,8 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     check(cfg, "distributed.max_restarts", at_least(0), "an integer >= 0")
     check(cfg, "distributed.max_requeues", at_least(0), "an integer >= 0")
     check(cfg, "distributed.threads_per_rank", lambda v: v is None or v >= 1, "an integer >= 1 (or null)")
+    if not target:  # a dry run plans memory on another machine; its trackers are that machine's business
+        validate_trackers(cfg)
 
     nproc = cfg.distributed.nproc_per_node
     if target:
@@ -156,6 +159,7 @@ def _validate_training(cfg: DictConfig) -> None:
         check(cfg, key, at_least(1), "an integer >= 1")
     check(cfg, "trainer.eval_every", at_least(0), "an integer >= 0 (0: only at the end)")
     check(cfg, "trainer.grad_clip_norm", at_least(0), "a number >= 0 (0: no clipping)")
+    check(cfg, "trainer.overfit_batches", at_least(0), "an integer >= 0 (0: the whole dataset)")
     if cfg.trainer.on_nonfinite == "skip" and cfg.parallelism.name == "zero":
         raise ConfigError("trainer.on_nonfinite", "skip", "stop with parallelism=zero (DeepSpeed applies every step)")
 
@@ -220,8 +224,6 @@ def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
     """Periods, paths, the checkpoint to resume from (its files, and for zero its world size), async saves."""
     check(cfg, "checkpoint.every_n_steps", at_least(0), "an integer >= 0 (0: no periodic checkpoints)")
     check(cfg, "checkpoint.dir", lambda v: v is None or not Path(v).is_file(), "a directory (this path is a file)")
-    if "path" in cfg.logger:
-        check(cfg, "logger.path", lambda v: bool(v) and not Path(v).is_dir(), "a file path (not a directory)")
     check(cfg, "checkpoint.keep_last", at_least(0), "an integer >= 0 (0: keep all)")
     resume = cfg.checkpoint.resume
     problem = None if resume in ("never", "auto") else checkpoint_problem(Path(resume))
@@ -247,7 +249,17 @@ def largest_token_id(corpus: DictConfig) -> int:
     return corpus.vocab_size - 1 if "vocab_size" in corpus else 255  # the stdlib corpus is bytes
 
 
-PATH_KEYS = ("data.path", "model.name_or_path", "model.init_from")
+PATH_KEYS = ("data.path", "model.name_or_path", "model.init_from", "logger.tensorboard.dir", "logger.jsonl.path")
+
+
+def validate_trackers(cfg: DictConfig) -> None:
+    """Each selected tracker's own check (its package, its URI or path), as ``logger.<name>.<key>``."""
+    for name, tracker_cfg in cfg.logger.items():
+        try:
+            instantiate(tracker_cfg).check()  # constructors only keep their settings: nothing starts here
+        except TrackerSetupError as err:
+            key = f"logger.{name}.{err.key}" if err.key else "logger"
+            raise ConfigError(key, err.value, err.allowed) from None
 
 
 def absolute_paths(cfg: DictConfig) -> None:

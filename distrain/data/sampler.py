@@ -75,6 +75,8 @@ class GlobalBatchSampler:
         dp_rank: this rank's index on the data-parallel axis.
         dp_size: number of data-parallel ranks.
         seed: shuffling seed; epoch e uses the permutation of generator seed ``seed * 1_000_003 + e``.
+        limit_batches: when > 0, only the first ``limit_batches`` global batches' worth of windows are sampled
+            (``trainer.overfit_batches``): every epoch is those windows again, reshuffled.
     """
 
     def __init__(
@@ -86,14 +88,18 @@ class GlobalBatchSampler:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        limit_batches: int = 0,
     ) -> None:
+        global_batch_size = micro_batch_size * grad_accum_steps * dp_size
+        if limit_batches > 0:
+            num_samples = min(num_samples, limit_batches * global_batch_size)
         self.num_samples, self.micro_batch_size, self.grad_accum_steps = (
             num_samples,
             micro_batch_size,
             grad_accum_steps,
         )
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.global_batch_size = micro_batch_size * grad_accum_steps * dp_size
+        self.global_batch_size = global_batch_size
         if num_samples < self.global_batch_size:
             raise ValueError(
                 f"dataset has {num_samples} sequences, fewer than one global batch of {self.global_batch_size}"

@@ -11,26 +11,35 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
+from distrain.errors import RunError
+from distrain.logger.console import step_line, summary_table
 from distrain.logger.trackers import Tracker
 
 log = logging.getLogger(__name__)
 
 
 class RunReporter:
-    """Writes one JSON object per logged step to ``metrics.jsonl`` and forwards it to the tracker.
+    """Writes one JSON object per logged step to ``metrics.jsonl`` and forwards it to every tracker.
 
-    Only the rank built with ``enabled=True`` (rank 0) writes; the progress bar redraws on a terminal and
-    becomes one log line per logged step otherwise (CI, SLURM output files).
+    Only the rank built with ``enabled=True`` (rank 0) writes. Every logged step is one console line; on a terminal
+    a progress bar sits below them (log lines are redirected above it), elsewhere (CI, SLURM output) there is none.
+    A tracker that fails after starting is dropped with one warning: metrics.jsonl still holds every record.
     """
 
-    def __init__(self, *, run_dir: str, tracker: Tracker, enabled: bool, max_steps: int, progress_bar: bool) -> None:
-        self.run_dir, self.tracker, self.enabled, self.max_steps = Path(run_dir), tracker, enabled, max_steps
+    def __init__(
+        self, *, run_dir: str, trackers: dict[str, Tracker], enabled: bool, max_steps: int, progress_bar: bool
+    ) -> None:
+        self.run_dir, self.trackers, self.enabled, self.max_steps = Path(run_dir), dict(trackers), enabled, max_steps
         self.records: list[dict[str, Any]] = []
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.bar = None
+        self._redirect: Any = None
         if enabled and progress_bar and sys.stderr.isatty():
-            self.bar = tqdm(total=max_steps, desc="train", dynamic_ncols=True)
+            self.bar = tqdm(total=max_steps, desc="train", dynamic_ncols=True, leave=False)
+            self._redirect = logging_redirect_tqdm([logging.getLogger("distrain")], tqdm_class=tqdm)
+            self._redirect.__enter__()  # log lines print above the bar instead of through it
 
     def start(
         self,
@@ -41,20 +50,30 @@ class RunReporter:
         initial_step: int,
         resumed_from: str | None,
     ) -> None:
+        """Rewind metrics.jsonl to ``initial_step`` and start the trackers (RunError naming the one that fails)."""
         self.initial_step, self.records = initial_step, []
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._rewind_metrics(initial_step)
-        self.tracker.start(
-            run_dir=str(self.run_dir),
-            run_name=run_name,
-            run_group=run_group,
-            config=config,
-            resumed_from=resumed_from,
-        )
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.start(
+                    run_dir=str(self.run_dir),
+                    run_name=run_name,
+                    run_group=run_group,
+                    config=config,
+                    resumed_from=resumed_from,
+                    initial_step=initial_step,
+                )
+            except Exception as err:
+                raise RunError(f"logger.{name} could not start: {_first_line(err)}") from err
+        self.advance(initial_step)
+
+    def advance(self, step: int) -> None:
+        """Move the progress bar to ``step`` (every step; tqdm redraws at most a few times a second)."""
         if self.bar is not None:
-            self.bar.update(initial_step)
+            self.bar.update(step - self.bar.n)
 
     def _rewind_metrics(self, initial_step: int) -> None:
         """After a restart from a checkpoint, drop records of the steps that are about to be trained again, so
@@ -77,28 +96,35 @@ class RunReporter:
         with self.metrics_path.open("a") as file:
             file.write(strict_json(record) + "\n")
         self.records.append(record)
-        self.tracker.log(record)
-        shown = {k: record[k] for k in ("loss", "val_loss", "tokens_per_s", "mfu", "lr") if k in record}
-        if self.bar is not None:
-            self.bar.update(record["step"] - self.bar.n)  # tqdm shows step, rate and ETA itself
-            self.bar.set_postfix({k: _short(v) for k, v in shown.items()})
-        else:
-            eta = ""
-            if "step_time_s" in record:
-                eta = f" eta={_duration(record['step_time_s'] * (self.max_steps - record['step']))}"
-            text = " ".join(f"{k}={_short(v)}" for k, v in shown.items())
-            log.info("step %d/%d %s%s", record["step"], self.max_steps, text, eta)
+        self._to_trackers("log", record)
+        self.advance(record["step"])
+        if self.bar is not None and "loss" in record:
+            self.bar.set_postfix_str(f"loss {record['loss']:.4g}", refresh=False)
+        log.info(step_line(record, self.max_steps))
 
     def finish(self, summary: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
         if self.bar is not None:
             self.bar.close()
         summary = summary | {"metrics": metric_statistics(self.records)}
-        log.info("per-step metrics over the run:\n%s", statistics_table(summary["metrics"]))
         (self.run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
-        self.tracker.finish(summary)
-        log.info("summary: %s", strict_json({k: v for k, v in summary.items() if not isinstance(v, list)}))
+        self._to_trackers("finish", summary)
+        log.info(summary_table(summary, str(self.run_dir.resolve())))
+
+    def _to_trackers(self, method: str, payload: dict[str, Any]) -> None:
+        for name, tracker in list(self.trackers.items()):
+            try:
+                getattr(tracker, method)(payload)
+            except Exception as err:  # noqa: BLE001 - a tracker's outage must not stop training
+                log.warning("logger.%s failed (%s); it gets no more records this run", name, _first_line(err))
+                del self.trackers[name]
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
 
 
 def without_nonfinite(value: Any) -> Any:
@@ -115,18 +141,6 @@ def without_nonfinite(value: Any) -> Any:
 def strict_json(value: Any, indent: int | None = None) -> str:
     """Standard JSON that any parser reads: a metric with nothing to measure is null, never NaN or Infinity."""
     return json.dumps(without_nonfinite(value), indent=indent, allow_nan=False)
-
-
-def _short(value: float) -> str:
-    if isinstance(value, float) and (value == 0 or 1e-3 <= abs(value) < 1e5 or not math.isfinite(value)):
-        return f"{value:.4g}"
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 def metric_statistics(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -147,11 +161,3 @@ def metric_statistics(records: list[dict[str, Any]]) -> dict[str, dict[str, floa
             "count": len(values),
         }
     return stats
-
-
-def statistics_table(stats: dict[str, dict[str, float]]) -> str:
-    """``metric_statistics`` as an aligned text table."""
-    rows = [("metric", "mean", "std", "min", "max")]
-    rows += [(k, *(_short(v[c]) for c in ("mean", "std", "min", "max"))) for k, v in stats.items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)

@@ -1,7 +1,9 @@
-"""Experiment trackers, chosen by the ``logger`` config group. Only rank 0 calls them."""
+"""Experiment trackers, chosen by the ``logger`` config group (one or several: ``logger=[wandb,mlflow]``, each
+configured under ``logger.<name>``). Only rank 0 calls them; every one receives the same records."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import netrc
@@ -13,28 +15,54 @@ from typing import Any, Protocol
 log = logging.getLogger(__name__)
 
 
-class Tracker(Protocol):
-    def start(
-        self, *, run_dir: str, run_name: str, run_group: str | None, config: dict[str, Any], resumed_from: str | None
-    ) -> None:
-        """``resumed_from``: the checkpoint this job resumed from, if any (a tracker may continue that run)."""
+class TrackerSetupError(ValueError):
+    """A tracker that cannot start as configured: ``key`` (relative to ``logger.<name>``; empty for the tracker
+    itself), its value, and what is allowed. Validation reports it as ``logger.<name>.<key>`` before ranks start."""
 
-    def log(self, record: dict[str, Any]) -> None: ...
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r}: {allowed}")
+
+
+class Tracker(Protocol):
+    def check(self) -> None:
+        """Raise ``TrackerSetupError`` for what would stop ``start`` (a missing package, an unusable URI); runs in
+        the launching process before any rank starts, so it must not create runs or files."""
+
+    def start(
+        self,
+        *,
+        run_dir: str,
+        run_name: str,
+        run_group: str | None,
+        config: dict[str, Any],
+        resumed_from: str | None,
+        initial_step: int,
+    ) -> None:
+        """``resumed_from``: the checkpoint this job resumed from at ``initial_step`` (a tracker may continue that
+        run, and drop what it logged after that step)."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        """One logged step: ``record["step"]`` and the metrics, under the names metrics.jsonl uses."""
 
     def finish(self, summary: dict[str, Any]) -> None: ...
 
 
-class NullTracker:
-    """Nothing beyond the run directory."""
+def numeric_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The record's finite-or-not numbers except ``step`` (strings, lists and None are not scalars)."""
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
-    def start(self, **run: Any) -> None:
-        pass
 
-    def log(self, record: dict[str, Any]) -> None:
-        pass
-
-    def finish(self, summary: dict[str, Any]) -> None:
-        pass
+def require_package(module: str, tracker: str) -> None:
+    """TrackerSetupError unless ``module`` is importable (found without importing it)."""
+    if importlib.util.find_spec(module) is None:
+        raise TrackerSetupError(
+            "", tracker, f"this tracker needs the {module} package: pip install 'distrain[trackers]'"
+        )
 
 
 class JsonlTracker:
@@ -42,6 +70,10 @@ class JsonlTracker:
 
     def __init__(self, *, path: str) -> None:
         self.path = Path(path)
+
+    def check(self) -> None:
+        if not str(self.path) or self.path.is_dir():
+            raise TrackerSetupError("path", str(self.path), "a file path (not a directory)")
 
     def start(self, *, run_dir: str, run_name: str, **run: Any) -> None:
         self.run_name = run_name
@@ -102,6 +134,9 @@ class WandbTracker:
         )
         self.run: Any = None
 
+    def check(self) -> None:
+        require_package("wandb", "wandb")
+
     def resolved_mode(self) -> str:
         if self.mode != "auto":
             return self.mode
@@ -119,7 +154,14 @@ class WandbTracker:
         return uuid.uuid4().hex[:12]
 
     def start(
-        self, *, run_dir: str, run_name: str, run_group: str | None, config: dict[str, Any], resumed_from: str | None
+        self,
+        *,
+        run_dir: str,
+        run_name: str,
+        run_group: str | None,
+        config: dict[str, Any],
+        resumed_from: str | None,
+        initial_step: int,
     ) -> None:
         import wandb
 

@@ -164,13 +164,18 @@ KEYS = {
     "checkpoint.async_save": (check("parallelism=zero", "checkpoint.async_save=true"), "DeepSpeed saves"),
     "checkpoint.emergency": BOOL,
     "checkpoint.emergency_timeout_s": (check("checkpoint.emergency_timeout_s=0"), "> 0"),
-    "logger.path": (check("logger=jsonl", "logger.path=/tmp"), "a file path (not a directory)"),
-    "logger.project": free("any W&B project name"),
-    "logger.entity": free("any W&B entity, or null"),
-    "logger.group": free("any group name, or null"),
-    "logger.tags": free("any list of strings"),
-    "logger.name": free("any run name, or null"),
-    "logger.mode": (compose("logger=wandb", "logger.mode=cloud"), "[auto, online, offline, disabled]"),
+    "logger.jsonl.path": (check("logger=jsonl", "logger.jsonl.path=/tmp"), "a file path (not a directory)"),
+    "logger.wandb.project": free("any W&B project name"),
+    "logger.wandb.entity": free("any W&B entity, or null"),
+    "logger.wandb.group": free("any group name, or null"),
+    "logger.wandb.tags": free("any list of strings"),
+    "logger.wandb.name": free("any run name, or null"),
+    "logger.wandb.mode": (compose("logger=wandb", "logger.wandb.mode=cloud"), "[auto, online, offline, disabled]"),
+    "logger.tensorboard.dir": (check("logger=tensorboard", "logger.tensorboard.dir=/etc/hostname"), "is a file"),
+    "logger.mlflow.tracking_uri": (check("logger=mlflow", "logger.mlflow.tracking_uri=s3://x"), "sqlite:///<path>"),
+    "logger.mlflow.experiment_name": free("any experiment name"),
+    "logger.mlflow.run_name": free("any run name, or null"),
+    "logger.mlflow.tags": free("any mapping of tag names to strings"),
     "scheduler.warmup_steps": (check("scheduler.warmup_steps=-1"), ">= 0"),
     "scheduler.decay": (compose("scheduler.decay=exp"), "[cosine, linear, constant]"),
     "scheduler.min_lr_ratio": (check("scheduler.min_lr_ratio=2"), "[0, 1]"),
@@ -183,6 +188,8 @@ KEYS = {
     "trainer.eval_every": (check("trainer.eval_every=-1"), ">= 0"),
     "trainer.eval_batches": (check("trainer.eval_batches=0"), ">= 1"),
     "trainer.progress_bar": BOOL,
+    "trainer.overfit_batches": (check("trainer.overfit_batches=-1"), ">= 0"),
+    "trainer.detect_anomaly": BOOL,
     "distributed.nproc_per_node": (check("distributed.nproc_per_node=0"), ">= 1"),
     "distributed.device": (compose("distributed.device=tpu"), "[auto, cpu, cuda]"),
     "distributed.backend": (compose("distributed.backend=mpi"), "[gloo, nccl]"),
@@ -223,7 +230,8 @@ def schema_keys(cls, prefix=""):
 def every_schema_key():
     keys = {key for key in schema_keys(Config) if key.split(".")[0] not in SCHEMAS}
     for group, schemas in SCHEMAS.items():
-        keys |= {f"{group}.{key}" for schema in schemas.values() for key in schema_keys(schema, "")}
+        for name, schema in schemas.items():  # trackers sit under their name: logger.<name>.<key>
+            keys |= {f"{group}.{key}" for key in schema_keys(schema, f"{name}." if group == "logger" else "")}
     return keys - {"scheduler", "precision", "checkpoint"}
 
 

@@ -1,0 +1,64 @@
+"""TensorBoard: event files written by rank 0, one scalar per metric under the name metrics.jsonl uses."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distrain.logger.trackers import TrackerSetupError, numeric_metrics, require_package
+
+log = logging.getLogger(__name__)
+
+
+class TensorBoardTracker:
+    """Scalars for every logged step into ``<run dir>/tensorboard`` (or ``<dir>/<run name>``), the resolved config
+    and the final summary as text. A job resumed at step N purges what an earlier attempt wrote after step N, so
+    TensorBoard shows one curve per run, as metrics.jsonl does."""
+
+    def __init__(self, *, dir: str | None) -> None:  # noqa: A002 - the config key users write
+        self.dir = dir
+        self.writer: Any = None
+
+    def check(self) -> None:
+        require_package("tensorboard", "tensorboard")
+        if self.dir and Path(self.dir).is_file():
+            raise TrackerSetupError("dir", self.dir, "a directory for event files (this path is a file)")
+
+    def log_dir(self, run_dir: str, run_name: str) -> Path:
+        return Path(self.dir) / run_name if self.dir else Path(run_dir) / "tensorboard"
+
+    def start(
+        self,
+        *,
+        run_dir: str,
+        run_name: str,
+        run_group: str | None,
+        config: dict[str, Any],
+        resumed_from: str | None,
+        initial_step: int,
+    ) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        directory = self.log_dir(run_dir, run_name)
+        self.writer = SummaryWriter(str(directory), purge_step=initial_step + 1 if initial_step else None)
+        self.writer.add_text("config", _code_block(yaml.safe_dump(config, sort_keys=False)), initial_step)
+        log.info("TensorBoard event files in %s", directory)
+
+    def log(self, record: dict[str, Any]) -> None:
+        for key, value in numeric_metrics(record).items():
+            self.writer.add_scalar(key, value, record["step"])
+        self.writer.flush()  # so a run watched live, or one that dies, shows every logged step
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        shown = {key: value for key, value in summary.items() if not isinstance(value, (list, dict))}
+        self.writer.add_text("summary", _code_block(json.dumps(shown, indent=2)), summary.get("steps", 0))
+        self.writer.close()
+
+
+def _code_block(text: str) -> str:
+    """TensorBoard renders text as Markdown: indent it four spaces to keep its layout."""
+    return "\n".join("    " + line for line in text.splitlines())
