@@ -56,7 +56,7 @@ from distrain.monitor.flops import peak_flops_per_device
 from distrain.monitor.profiler import StepProfiler
 from distrain.monitor.timing import Clock
 from distrain.monitor.window import LogWindow
-from distrain.overrides import composition_error, plain_overrides
+from distrain.overrides import composition_error, plain_overrides, quote_group_options
 from distrain.parallelism.base import Strategy, StrategyContext
 from distrain.parallelism.compile import apply_compile, compile_report
 from distrain.parallelism.memory import formula_layout, optimizer_state_bytes_per_param, predicted_model_state_bytes
@@ -415,6 +415,7 @@ if __name__ == "__main__":
             "hydra/job_logging=disabled",
             "hydra/hydra_logging=disabled",
         ]
+    sys.argv[1:] = quote_group_options(sys.argv[1:])  # debug=nan names conf/debug/nan.yaml, not a float
     overrides = plain_overrides(sys.argv[1:])
     problem = composition_error(overrides) if overrides is not None and not inside_launcher() else None
     if problem:

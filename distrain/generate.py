@@ -2,7 +2,8 @@
 
     python -m distrain.generate outputs/.../checkpoints/step_00000200 --prompt "def main(" --max-new-tokens 200
 
-Runs in one process on the CPU (or ``--device cuda``), without a process group: the checkpoint's model is rebuilt
+CHECKPOINT may also be a run directory (or its ``checkpoints/``): its newest complete checkpoint is used. Runs in
+one process on the CPU (or ``--device cuda``), without a process group: the checkpoint's model is rebuilt
 from its own ``config.yaml`` and its consolidated weights loaded (any strategy's format, as ``export`` reads them).
 The tokenizer is, in order: ``--tokenizer`` (a ``tokenizer.json``, a Hugging Face model directory, or ``bytes``),
 the one beside the run's dataset (``data=tokens``), the one in the Hugging Face directory the model came from
@@ -12,6 +13,7 @@ the one beside the run's dataset (``data=tokens``), the one in the Hugging Face 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from distrain.checkpoint.checkpointer import newest_valid, step_directories
 from distrain.checkpoint.export import consolidated_model_state
 from distrain.config import register_configs
 
@@ -110,6 +113,20 @@ def sample(
     return ids[0, len(prompt) :].tolist()
 
 
+def resolve_checkpoint(path: Path) -> Path:
+    """A ``step_*`` directory as given; a run directory or its ``checkpoints/``: the newest complete checkpoint
+    there (as ``checkpoint.resume=auto`` picks it)."""
+    if (path / "config.yaml").is_file():
+        return path
+    for directory in (path / "checkpoints", path):
+        if step_directories(directory):
+            newest = newest_valid(directory, report=False)
+            if newest is None:
+                raise ValueError(f"{directory} holds no complete checkpoint (every step_* fails its manifest check)")
+            return newest
+    return path
+
+
 def load_model(checkpoint: Path, device: str) -> tuple[torch.nn.Module, DictConfig]:
     """The checkpoint's model with its weights, in eval mode on ``device``, and the run's resolved config."""
     config_file = checkpoint / "config.yaml"
@@ -129,7 +146,9 @@ def load_model(checkpoint: Path, device: str) -> tuple[torch.nn.Module, DictConf
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distrain.generate", description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a step_* checkpoint directory")
+    parser.add_argument(
+        "checkpoint", type=Path, help="a step_* checkpoint directory, or a run directory (its newest checkpoint)"
+    )
     parser.add_argument("--prompt", default="", help="text to continue (default: nothing)")
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
@@ -144,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
             raise ValueError("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
-        model, cfg = load_model(args.checkpoint, args.device)
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's loader prints: stdout holds only the text
+            model, cfg = load_model(resolve_checkpoint(args.checkpoint), args.device)
         tokenizer = find_tokenizer(cfg, args.tokenizer)
         text = _generate(model, cfg, tokenizer, args)
     except (ValueError, FileNotFoundError) as err:

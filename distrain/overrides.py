@@ -30,6 +30,29 @@ def plain_overrides(argv: list[str]) -> list[str] | None:
     return [arg for arg in argv if not arg.lstrip("+~").startswith(("hydra.", "hydra/"))]
 
 
+def quote_group_options(argv: list[str], config_dir: Path = CONF_DIR) -> list[str]:
+    """``debug=nan`` -> ``debug='nan'``: Hydra reads an unquoted ``nan``, ``inf``, number or boolean as that value,
+    and a config group's option must be a name (``conf/debug/nan.yaml``), so such options are quoted."""
+    groups = {path.name for path in config_dir.iterdir() if path.is_dir()}
+    quoted = []
+    for arg in argv:
+        group, equals, value = arg.partition("=")
+        if equals and group in groups and _hydra_reads_as_non_string(value):
+            arg = f"{group}='{value}'"
+        quoted.append(arg)
+    return quoted
+
+
+def _hydra_reads_as_non_string(value: str) -> bool:
+    if value.lower() in ("true", "false", "null"):
+        return True
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
 def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str | None:
     """Why Hydra cannot compose ``overrides`` (``key=value is not allowed: ...``), or None when it can."""
     register_configs()

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.config import register_configs
 from distrain.dist import DistEnv, init_distributed, shutdown_distributed
 from distrain.launch import run_ranks
+from distrain.overrides import quote_group_options
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -102,7 +103,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     """The config train.py would see for these command-line overrides."""
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=quote_group_options(overrides))  # as train.py: debug=nan
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

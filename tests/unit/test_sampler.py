@@ -77,3 +77,41 @@ def test_position_carries_over_to_another_world_size():
         sampler.load_state_dict(two[0].state_dict())
     for _ in range(10):  # crosses an epoch boundary
         assert step_union(four) == step_union(two)
+
+
+def test_limit_batches_trains_on_the_same_global_batch_every_step():
+    """trainer.overfit_batches=1: every step is the first global batch's windows again, however it is split."""
+
+    def limited(rank, size, micro, accum=1):
+        return GlobalBatchSampler(
+            num_samples=50,
+            micro_batch_size=micro,
+            grad_accum_steps=accum,
+            dp_rank=rank,
+            dp_size=size,
+            seed=0,
+            limit_batches=1,
+        )
+
+    two_ranks = [limited(r, 2, micro=3) for r in range(2)]
+    first = step_union(two_ranks)
+    assert len(first) == len(set(first)) == 6 and two_ranks[0].num_samples == 6
+    for _ in range(20):  # each step is its own epoch: the same set, in a new order
+        assert step_union(two_ranks) == first
+    assert two_ranks[0].epoch == 20
+    assert step_union([limited(0, 1, micro=3, accum=2)]) == first  # split another way: the same windows
+    two = [limited(r, 2, micro=3) for r in range(2)]
+    two[0].load_state_dict(two_ranks[0].state_dict())  # and after a resume
+    assert sorted(torch.cat(two[0].next_step()).tolist()) == sorted(torch.cat(two_ranks[0].next_step()).tolist())
+
+
+def test_limit_batches_n_cycles_over_n_global_batches():
+    sampler = GlobalBatchSampler(
+        num_samples=50, micro_batch_size=2, grad_accum_steps=1, dp_rank=0, dp_size=1, seed=0, limit_batches=3
+    )
+    seen = {index for _ in range(30) for index in sampler.next_step()[0].tolist()}
+    assert seen == set(range(6))
+    unlimited = GlobalBatchSampler(
+        num_samples=50, micro_batch_size=2, grad_accum_steps=1, dp_rank=0, dp_size=1, seed=0, limit_batches=0
+    )
+    assert unlimited.num_samples == 50
