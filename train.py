@@ -59,7 +59,7 @@ from distrain.monitor.window import LogWindow
 from distrain.overrides import composition_error, plain_overrides, quote_group_options
 from distrain.parallelism.base import Strategy, StrategyContext
 from distrain.parallelism.compile import apply_compile, compile_report
-from distrain.parallelism.memory import formula_layout, optimizer_state_bytes_per_param, predicted_model_state_bytes
+from distrain.parallelism.memory import predicted_state_for_summary
 from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.preemption import REQUEUE_EXIT_CODE, StopRequest
 from distrain.seeding import seed_everything
@@ -180,7 +180,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
     """One rank's work: join the process group, build every component, train, report."""
     cfg = OmegaConf.create(cfg_dict)
     env = init_distributed(**{k: cfg.distributed[k] for k in ("device", "backend", "timeout_s", "threads_per_rank")})
-    completed = False
+    completed, run = False, None
     try:
         shared = [run_dir, run_name, run_group]
         dist.broadcast_object_list(shared, src=0)  # under torchrun only rank 0 composed the real run directory
@@ -235,19 +235,8 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
             "precision": cfg.precision.name,
             "model_parameters": run.model_parameters,
             **run.data.sampler.batch_settings(),
-            # The ZeRO formulas cover data-parallel layouts; model-parallel ones are planned by dry_run=true.
-            "predicted_model_state_bytes": None
-            if (formula := formula_layout(cfg, run.strategy, env.world_size)) is None
-            else predicted_model_state_bytes(
-                strategy=formula[0],
-                stage=formula[2],
-                num_params=run.model_parameters,
-                world_size=formula[1],
-                optimizer_bytes=optimizer_state_bytes_per_param(
-                    cfg.optimizer._target_.rsplit(".", 1)[1], cfg.optimizer.get("momentum", 0.0)
-                ),
-                low_precision=run.strategy.name == "zero" and cfg.precision.name != "fp32",
-                master_copy=run.strategy.name == "zero",
+            "predicted_model_state_bytes": predicted_state_for_summary(
+                cfg, run.strategy, env.world_size, run.model_parameters
             ),
         }
         if cfg.compile and not run.strategy.compile_unsupported:
@@ -259,7 +248,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         summary["nodes"] = sorted(set(nodes))
         run.reporter.finish(summary)
         run.data.close()  # the prefetching reader's thread
-        del run  # release DDP's reducer, which holds the process group, before leaving the group
+        run = None  # release DDP's reducer, which holds the process group, before leaving the group
         completed = True
         return summary
     except RunError as err:
@@ -272,6 +261,8 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
             time.sleep(PEER_FAILURE_GRACE_S)
         raise
     finally:
+        if not completed and run is not None:
+            run.reporter.fail()  # the bar closed and each tracker's run marked failed before the error is shown
         shutdown_distributed(graceful=completed)
         # Interpreter teardown would otherwise spend seconds per rank collecting torch's objects one by one.
         gc.freeze()

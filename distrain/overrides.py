@@ -32,19 +32,24 @@ def plain_overrides(argv: list[str]) -> list[str] | None:
 
 def quote_group_options(argv: list[str], config_dir: Path = CONF_DIR) -> list[str]:
     """``debug=nan`` -> ``debug='nan'``: Hydra reads an unquoted ``nan``, ``inf``, number or boolean as that value,
-    and a config group's option must be a name (``conf/debug/nan.yaml``), so such options are quoted."""
+    and a config group's option must be a name (``conf/debug/nan.yaml``), so such options are quoted, also in a
+    sweep (``debug=nan,fast``), a list (``logger=[wandb,1]``) and with ``+``, ``++``, ``~`` or ``@package``."""
     groups = {path.name for path in config_dir.iterdir() if path.is_dir()}
     quoted = []
     for arg in argv:
-        group, equals, value = arg.partition("=")
-        if equals and group in groups and _hydra_reads_as_non_string(value):
-            arg = f"{group}='{value}'"
+        key, equals, value = arg.partition("=")
+        group = key.lstrip("+~").partition("@")[0]
+        if equals and group in groups and "(" not in value:
+            listed = value.startswith("[") and value.endswith("]")
+            options = (value[1:-1] if listed else value).split(",")
+            options = [f"'{option}'" if _hydra_reads_as_non_string(option) else option for option in options]
+            arg = f"{key}={'[' if listed else ''}{','.join(options)}{']' if listed else ''}"
         quoted.append(arg)
     return quoted
 
 
 def _hydra_reads_as_non_string(value: str) -> bool:
-    if value.lower() in ("true", "false", "null"):
+    if value.strip().lower() in ("true", "false", "null"):
         return True
     try:
         float(value)
@@ -74,6 +79,8 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
                 known = _one_of(schema) if schema is not None and dataclasses.is_dataclass(schema) else reason
                 reason = _tracker_hint(cause.full_key, config_dir) or f"no such key ({known})"
             return f"{cause.full_key}={value!r} is not allowed: {reason}"
+        return " ".join(str(err).split())
+    except (ValueError, TypeError) as err:  # Hydra's own type errors (a group option that is not a name)
         return " ".join(str(err).split())
     return _added_to_a_schema(cfg, overrides)
 

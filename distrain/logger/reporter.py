@@ -15,7 +15,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from distrain.errors import RunError
 from distrain.logger.console import step_line, summary_table
-from distrain.logger.trackers import Tracker
+from distrain.logger.trackers import TrackedRun, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,9 @@ class RunReporter:
         self.run_dir, self.trackers, self.enabled, self.max_steps = Path(run_dir), dict(trackers), enabled, max_steps
         self.records: list[dict[str, Any]] = []
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.bar = None
+        self.show_bar = enabled and progress_bar and sys.stderr.isatty()
+        self.bar: Any = None
         self._redirect: Any = None
-        if enabled and progress_bar and sys.stderr.isatty():
-            self.bar = tqdm(total=max_steps, desc="train", dynamic_ncols=True, leave=False)
-            self._redirect = logging_redirect_tqdm([logging.getLogger("distrain")], tqdm_class=tqdm)
-            self._redirect.__enter__()  # log lines print above the bar instead of through it
 
     def start(
         self,
@@ -50,25 +47,23 @@ class RunReporter:
         initial_step: int,
         resumed_from: str | None,
     ) -> None:
-        """Rewind metrics.jsonl to ``initial_step`` and start the trackers (RunError naming the one that fails)."""
+        """Rewind metrics.jsonl to ``initial_step``, start the trackers (RunError naming the one that fails; the
+        others are then failed by ``fail``) and the progress bar."""
         self.initial_step, self.records = initial_step, []
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._rewind_metrics(initial_step)
+        run = TrackedRun(self.run_dir, run_name, run_group, config, resumed_from, initial_step)
         for name, tracker in self.trackers.items():
             try:
-                tracker.start(
-                    run_dir=str(self.run_dir),
-                    run_name=run_name,
-                    run_group=run_group,
-                    config=config,
-                    resumed_from=resumed_from,
-                    initial_step=initial_step,
-                )
+                tracker.start(run)
             except Exception as err:
                 raise RunError(f"logger.{name} could not start: {_first_line(err)}") from err
-        self.advance(initial_step)
+        if self.show_bar:
+            self.bar = tqdm(total=self.max_steps, initial=initial_step, desc="train", dynamic_ncols=True, leave=False)
+            self._redirect = logging_redirect_tqdm([logging.getLogger("distrain")], tqdm_class=tqdm)
+            self._redirect.__enter__()  # log lines print above the bar instead of through it
 
     def advance(self, step: int) -> None:
         """Move the progress bar to ``step`` (every step; tqdm redraws at most a few times a second)."""
@@ -105,14 +100,28 @@ class RunReporter:
     def finish(self, summary: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        if self._redirect is not None:
-            self._redirect.__exit__(None, None, None)
-        if self.bar is not None:
-            self.bar.close()
+        self._close_bar()
         summary = summary | {"metrics": metric_statistics(self.records)}
         (self.run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
         self._to_trackers("finish", summary)
+        self.trackers = {}
         log.info(summary_table(summary, str(self.run_dir.resolve())))
+
+    def fail(self) -> None:
+        """The run failed before ``finish``: close the bar (so the error prints on its own line) and mark every
+        tracker's run failed. Raises nothing: the job is already failing with its own error."""
+        self._close_bar()
+        for tracker in self.trackers.values():
+            _fail_quietly(tracker)
+        self.trackers = {}
+
+    def _close_bar(self) -> None:
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
     def _to_trackers(self, method: str, payload: dict[str, Any]) -> None:
         for name, tracker in list(self.trackers.items()):
@@ -121,6 +130,14 @@ class RunReporter:
             except Exception as err:  # noqa: BLE001 - a tracker's outage must not stop training
                 log.warning("logger.%s failed (%s); it gets no more records this run", name, _first_line(err))
                 del self.trackers[name]
+                _fail_quietly(tracker)
+
+
+def _fail_quietly(tracker: Tracker) -> None:
+    try:
+        tracker.fail()
+    except Exception as err:  # noqa: BLE001 - closing a broken tracker must not hide the run's own outcome
+        log.warning("could not mark the tracker's run failed: %s", _first_line(err))
 
 
 def _first_line(err: BaseException) -> str:

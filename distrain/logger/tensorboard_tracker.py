@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from distrain.logger.trackers import TrackerSetupError, numeric_metrics, require_package
+from distrain.logger.trackers import TrackedRun, TrackerSetupError, numeric_metrics, require_package
 
 log = logging.getLogger(__name__)
 
@@ -28,24 +28,12 @@ class TensorBoardTracker:
         if self.dir and Path(self.dir).is_file():
             raise TrackerSetupError("dir", self.dir, "a directory for event files (this path is a file)")
 
-    def log_dir(self, run_dir: str, run_name: str) -> Path:
-        return Path(self.dir) / run_name if self.dir else Path(run_dir) / "tensorboard"
-
-    def start(
-        self,
-        *,
-        run_dir: str,
-        run_name: str,
-        run_group: str | None,
-        config: dict[str, Any],
-        resumed_from: str | None,
-        initial_step: int,
-    ) -> None:
+    def start(self, run: TrackedRun) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        directory = self.log_dir(run_dir, run_name)
-        self.writer = SummaryWriter(str(directory), purge_step=initial_step + 1 if initial_step else None)
-        self.writer.add_text("config", _code_block(yaml.safe_dump(config, sort_keys=False)), initial_step)
+        directory = Path(self.dir) / run.name if self.dir else run.run_dir / "tensorboard"
+        self.writer = SummaryWriter(str(directory), purge_step=run.initial_step + 1 if run.initial_step else None)
+        self.writer.add_text("config", _code_block(yaml.safe_dump(run.config, sort_keys=False)), run.initial_step)
         log.info("TensorBoard event files in %s", directory)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -57,6 +45,10 @@ class TensorBoardTracker:
         shown = {key: value for key, value in summary.items() if not isinstance(value, (list, dict))}
         self.writer.add_text("summary", _code_block(json.dumps(shown, indent=2)), summary.get("steps", 0))
         self.writer.close()
+
+    def fail(self) -> None:
+        if self.writer is not None:
+            self.writer.close()  # flushes what was logged; the curve simply ends where the run failed
 
 
 def _code_block(text: str) -> str:

@@ -9,6 +9,7 @@ import logging
 import netrc
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,28 +25,47 @@ class TrackerSetupError(ValueError):
         super().__init__(f"{key}={value!r}: {allowed}")
 
 
+@dataclass(frozen=True)
+class TrackedRun:
+    """What every tracker starts from: the run directory, names, the resolved config, and where the job resumed
+    (``resumed_from``, the checkpoint, at ``initial_step``; None and 0 for a fresh run)."""
+
+    run_dir: Path
+    name: str
+    group: str | None
+    config: dict[str, Any]
+    resumed_from: str | None = None
+    initial_step: int = 0
+
+    def recorded_id(self, id_file: str) -> str | None:
+        """The tracker run id kept in this run directory's ``id_file``, else in that of the run whose checkpoint
+        this job resumed (``<its run dir>/checkpoints/step_N``), else None."""
+        candidates = [self.run_dir / id_file]
+        if self.resumed_from:
+            candidates.append(Path(self.resumed_from).resolve().parents[1] / id_file)
+        for candidate in candidates:
+            if candidate.is_file():
+                return candidate.read_text().strip()
+        return None
+
+
 class Tracker(Protocol):
     def check(self) -> None:
         """Raise ``TrackerSetupError`` for what would stop ``start`` (a missing package, an unusable URI); runs in
         the launching process before any rank starts, so it must not create runs or files."""
 
-    def start(
-        self,
-        *,
-        run_dir: str,
-        run_name: str,
-        run_group: str | None,
-        config: dict[str, Any],
-        resumed_from: str | None,
-        initial_step: int,
-    ) -> None:
-        """``resumed_from``: the checkpoint this job resumed from at ``initial_step`` (a tracker may continue that
-        run, and drop what it logged after that step)."""
+    def start(self, run: TrackedRun) -> None:
+        """Open (or continue) this job's run; a tracker may drop what an earlier attempt logged after
+        ``run.initial_step``."""
 
     def log(self, record: dict[str, Any]) -> None:
         """One logged step: ``record["step"]`` and the metrics, under the names metrics.jsonl uses."""
 
-    def finish(self, summary: dict[str, Any]) -> None: ...
+    def finish(self, summary: dict[str, Any]) -> None:
+        """The run ended (completed, or stopped by a signal after checkpointing): store the summary, close."""
+
+    def fail(self) -> None:
+        """The run failed: mark it so and close, raising nothing (the job is already failing)."""
 
 
 def numeric_metrics(record: dict[str, Any]) -> dict[str, float]:
@@ -75,16 +95,19 @@ class JsonlTracker:
         if not str(self.path) or self.path.is_dir():
             raise TrackerSetupError("path", str(self.path), "a file path (not a directory)")
 
-    def start(self, *, run_dir: str, run_name: str, **run: Any) -> None:
-        self.run_name = run_name
+    def start(self, run: TrackedRun) -> None:
+        self.run_name = run.name
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._write({"event": "start", "run_dir": run_dir})
+        self._write({"event": "start", "run_dir": str(run.run_dir), "initial_step": run.initial_step})
 
     def log(self, record: dict[str, Any]) -> None:
         self._write({"event": "metrics", **record})
 
     def finish(self, summary: dict[str, Any]) -> None:
         self._write({"event": "summary", **summary})
+
+    def fail(self) -> None:
+        self._write({"event": "failed"})
 
     def _write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as file:
@@ -142,47 +165,26 @@ class WandbTracker:
             return self.mode
         return os.environ.get("WANDB_MODE") or ("online" if wandb_credentials_present() else "offline")
 
-    @staticmethod
-    def run_id(run_dir: Path, resumed_from: str | None) -> str:
-        """This run directory's id, else the id of the run that wrote the checkpoint we resume, else a new one."""
-        candidates = [run_dir / WANDB_ID_FILE]
-        if resumed_from:
-            candidates.append(Path(resumed_from).resolve().parents[1] / WANDB_ID_FILE)
-        for candidate in candidates:
-            if candidate.is_file():
-                return candidate.read_text().strip()
-        return uuid.uuid4().hex[:12]
-
-    def start(
-        self,
-        *,
-        run_dir: str,
-        run_name: str,
-        run_group: str | None,
-        config: dict[str, Any],
-        resumed_from: str | None,
-        initial_step: int,
-    ) -> None:
+    def start(self, run: TrackedRun) -> None:
         import wandb
 
-        directory = Path(run_dir)
-        run_id = self.run_id(directory, resumed_from)
-        (directory / WANDB_ID_FILE).write_text(run_id + "\n")
+        run_id = run.recorded_id(WANDB_ID_FILE) or uuid.uuid4().hex[:12]
+        (run.run_dir / WANDB_ID_FILE).write_text(run_id + "\n")
         mode = self.resolved_mode()
         self.run = wandb.init(
             project=self.project,
             entity=self.entity,
-            group=self.group or run_group,
+            group=self.group or run.group,
             tags=list(self.tags),
-            name=self.name or run_name,
-            config=config,
+            name=self.name or run.name,
+            config=run.config,
             id=run_id,
             resume="allow",
-            dir=str(directory),
+            dir=str(run.run_dir),
             mode=mode,
             settings=wandb.Settings(silent=True, console="off"),
         )
-        log.info("W&B run %s (%s) in %s", run_id, mode, directory / "wandb")
+        log.info("W&B run %s (%s) in %s", run_id, mode, run.run_dir / "wandb")
 
     def log(self, record: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
@@ -190,3 +192,7 @@ class WandbTracker:
     def finish(self, summary: dict[str, Any]) -> None:
         self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, (list, dict))})
         self.run.finish()
+
+    def fail(self) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=1)

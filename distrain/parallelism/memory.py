@@ -178,3 +178,23 @@ def formula_layout(cfg: DictConfig, strategy: object, world_size: int) -> tuple[
 def predicted_model_state_bytes(**layout: object) -> int:
     """``predicted_model_state(...).total``: the per-rank model-state bytes of the ZeRO formulas."""
     return predicted_model_state(**layout).total
+
+
+def predicted_state_for_summary(cfg: DictConfig, strategy: object, world_size: int, num_params: int) -> int | None:
+    """summary.json's ``predicted_model_state_bytes``: the ZeRO formulas for a data-parallel layout, None for a
+    model-parallel one (``dry_run=true`` plans those)."""
+    layout = formula_layout(cfg, strategy, world_size)
+    if layout is None:
+        return None
+    name, ranks, stage = layout
+    optimizer_name = cfg.optimizer._target_.rsplit(".", 1)[1]
+    zero = getattr(strategy, "name", None) == "zero"
+    return predicted_model_state_bytes(
+        strategy=name,
+        stage=stage,
+        num_params=num_params,
+        world_size=ranks,
+        optimizer_bytes=optimizer_state_bytes_per_param(optimizer_name, cfg.optimizer.get("momentum", 0.0)),
+        low_precision=zero and cfg.precision.name != "fp32",
+        master_copy=zero,
+    )

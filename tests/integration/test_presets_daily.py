@@ -150,3 +150,16 @@ def test_debug_nan_names_the_op_and_the_forward_line_that_made_a_nan(tmp_path):
     assert "returned nan values" in done.stderr, done.stderr[-3000:]
     assert "Traceback of forward call that caused the error" in output, output[-3000:]
     assert "step 2 failed" in output, output[-3000:]
+
+
+def test_group_options_hydra_would_read_as_numbers_are_quoted_in_every_override_form():
+    quoted = quote_group_options(
+        ["debug=nan", "debug=nan,fast", "+debug=nan", "logger=[wandb,1]", "model@x=1.5", "trainer.seed=1", "debug=fast"]
+    )
+    assert quoted == [
+        "debug='nan'", "debug='nan',fast", "+debug='nan'", "logger=[wandb,'1']", "model@x='1.5'", "trainer.seed=1",
+        "debug=fast",
+    ]  # fmt: skip
+    assert compose_config(["debug=nan"]).trainer.detect_anomaly
+    problem = composition_error(quote_group_options(["logger=[wandb,1]"]))
+    assert problem == "logger='1' is not allowed: one of jsonl, mlflow, none, tensorboard, wandb", problem

@@ -17,11 +17,12 @@ from distrain.validate import ConfigError, validate_trackers
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
 TRACKED = [*FAST, "logger=[wandb,tensorboard,mlflow]", "trainer.log_every=2", "checkpoint=default"]
+TRACKED += ["checkpoint.every_n_steps=4", "checkpoint.keep_last=0", "hydra.run.dir=run"]
 NO_CREDENTIALS = {"WANDB_MODE": None, "WANDB_API_KEY": None}
 
 
 def logged(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
 def scalars(run_dir, tag):
@@ -30,52 +31,50 @@ def scalars(run_dir, tag):
     return events, {event.step: event.value for event in events.Scalars(tag)}
 
 
-def mlflow_run(run_dir):
+def mlflow_runs(run_dir):
+    """The store's runs of experiment ``distrain``, oldest first, and a client on it."""
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("distrain")
-    runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1  # rank 0 only: one run per job
-    return client, runs[0]
+    return client, sorted(client.search_runs([experiment.experiment_id]), key=lambda run: run.info.start_time)
+
+
+def history(client, run, key="loss"):
+    return {metric.step: metric.value for metric in client.get_metric_history(run.info.run_id, key)}
 
 
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
-    """Two DDP ranks, 10 steps, all three trackers; then the job continued to step 14 in the same directory."""
+    """Two DDP ranks and all three trackers: 10 steps (checkpoints at 4, 8, 10); continued to 12 from the last
+    checkpoint (requeue-like: nothing to rewind); then, as after a crash, rerun from step 10 to 14."""
     work = tmp_path_factory.mktemp("trackers")
     env = NO_CREDENTIALS | {"HOME": str(work)}
-    first = run_train([*TRACKED, "trainer.max_steps=10", "hydra.run.dir=run"], work, env=env)
+    first = run_train([*TRACKED, "trainer.max_steps=10"], work, env=env)
     assert first.returncode == 0, first.stderr
     run_dir = work / "run"
-    before = {
-        "records": logged(run_dir),
-        "mlflow_id": (run_dir / "mlflow_run_id").read_text().strip(),
-        "wandb_runs": sorted((run_dir / "wandb").glob("offline-run-*")),
-    }
-    resumed = run_train(
-        [*TRACKED, "trainer.max_steps=14", "hydra.run.dir=run", "checkpoint.resume=auto"], work, env=env
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    return run_dir, before
+    jobs = [{"losses": logged(run_dir), "wandb_runs": sorted((run_dir / "wandb").glob("offline-run-*"))}]
+    for resume in ("checkpoint.resume=auto", f"checkpoint.resume={run_dir / 'checkpoints' / 'step_00000010'}"):
+        steps = 12 if resume.endswith("auto") else 14
+        done = run_train([*TRACKED, f"trainer.max_steps={steps}", resume], work, env=env)
+        assert done.returncode == 0, done.stderr
+        jobs.append({"losses": logged(run_dir)})
+    return run_dir, jobs
 
 
 def test_every_tracker_holds_the_falling_loss_under_the_same_names(tracked_run):
-    run_dir, before = tracked_run
-    records = before["records"]
-    losses = {r["step"]: r["loss"] for r in records}
+    run_dir, jobs = tracked_run
+    losses = jobs[0]["losses"]
     assert list(losses.values())[-1] < list(losses.values())[0]  # the model learns: each tracker shows a falling loss
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     names = {key for r in records for key, value in r.items() if key != "step" and isinstance(value, (int, float))}
 
-    events, board = scalars(run_dir, "loss")
+    events, _ = scalars(run_dir, "loss")
     assert set(events.Tags()["scalars"]) == names
-    assert {step: board[step] for step in losses} == pytest.approx(losses, rel=1e-6)  # float32 in event files
 
-    client, run = mlflow_run(run_dir)
-    assert run.info.run_id == before["mlflow_id"]
-    assert set(run.data.metrics) == names
-    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
-    assert {step: history[step] for step in losses} == losses
+    client, (first, _) = mlflow_runs(run_dir)
+    assert set(first.data.metrics) == names
+    assert {step: loss for step, loss in history(client, first).items() if step <= 10} == losses
 
-    (offline,) = before["wandb_runs"]
+    (offline,) = jobs[0]["wandb_runs"]  # rank 0 only: one W&B run for the job
     wandb_history = read_wandb_run(offline)["history"]
     assert {row["_step"]: row["loss"] for row in wandb_history if "loss" in row} == losses
     assert names <= {key for row in wandb_history for key in row}
@@ -83,25 +82,37 @@ def test_every_tracker_holds_the_falling_loss_under_the_same_names(tracked_run):
 
 def test_mlflow_holds_params_config_and_summary(tracked_run):
     run_dir, _ = tracked_run
-    client, run = mlflow_run(run_dir)
-    assert run.info.status == "FINISHED"
-    assert run.data.params["parallelism.name"] == "ddp" and run.data.params["trainer.log_every"] == "2"
-    artifacts = {artifact.path for artifact in client.list_artifacts(run.info.run_id)}
-    assert artifacts == {"config.yaml", "summary.json"}
-    (saved,) = (run_dir / "mlflow-artifacts").glob(f"{run.info.run_id}/artifacts/summary.json")
-    summary = json.loads(saved.read_text())
-    assert summary == json.loads((run_dir / "summary.json").read_text())
+    client, (first, _) = mlflow_runs(run_dir)
+    assert first.info.status == "FINISHED"
+    assert first.data.params["parallelism.name"] == "ddp" and first.data.params["trainer.log_every"] == "2"
+    artifacts = {artifact.path for artifact in client.list_artifacts(first.info.run_id)}
+    assert artifacts == {"config.yaml", "config_step10.yaml", "summary.json"}  # the continued job's own config
+    (saved,) = (run_dir / "mlflow-artifacts").glob(f"{first.info.run_id}/artifacts/summary.json")
+    assert json.loads(saved.read_text())["steps"] == 12  # the continued job's summary
 
 
-def test_a_continued_job_continues_each_trackers_run(tracked_run):
-    """The second job (resumed at step 10) logs steps 12 and 14 into the same MLflow run and TensorBoard logdir."""
-    run_dir, _ = tracked_run
-    steps = [r["step"] for r in logged(run_dir)]
-    assert steps == [2, 4, 6, 8, 10, 12, 14]
-    client, run = mlflow_run(run_dir)
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == steps
+def test_continued_and_rerun_jobs_keep_one_value_per_step_in_every_tracker(tracked_run):
+    """The requeue-like job continues the MLflow run; the rerun from step 10 (the run already held step 12) opens a
+    new run linked to it, while TensorBoard purges the old step 12 and metrics.jsonl is rewound."""
+    run_dir, jobs = tracked_run
+    final = jobs[-1]["losses"]
+    assert sorted(final) == [2, 4, 6, 8, 10, 12, 14]
     _, board = scalars(run_dir, "loss")
-    assert sorted(board) == steps
+    assert board == pytest.approx(final, rel=1e-6)  # float32 in event files; one value per step
+    client, (first, rerun) = mlflow_runs(run_dir)
+    assert history(client, first) == jobs[1]["losses"]  # steps 2..12: the first job and its continuation
+    assert rerun.data.tags["distrain.resumed_from_run"] == first.info.run_id
+    assert rerun.data.tags["distrain.resumed_at_step"] == "10"
+    assert history(client, rerun) == {12: final[12], 14: final[14]}
+
+
+def test_a_failing_run_marks_its_tracker_runs_failed(tmp_path):
+    args = [*FAST, "logger=[tensorboard,mlflow]", "trainer.max_steps=6", "hydra.run.dir=run"]
+    done = run_train(args, tmp_path, env={"DISTRAIN_INJECT_FAULT": "raise:0:3"})
+    assert done.returncode == 1
+    client, (run,) = mlflow_runs(tmp_path / "run")
+    assert run.info.status == "FAILED" and sorted(history(client, run)) == [1, 2, 3]  # the fault follows step 3
+    assert sorted(scalars(tmp_path / "run", "loss")[1]) == [1, 2, 3]
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from distrain.logger.reporter import metric_statistics
-from distrain.logger.trackers import WANDB_ID_FILE, WandbTracker
+from distrain.logger.trackers import WANDB_ID_FILE, TrackedRun, WandbTracker
 from distrain.monitor.flops import gpu_peak_flops
 from distrain.monitor.timing import Clock, phase_seconds
 
@@ -55,12 +55,14 @@ def test_wandb_is_offline_without_credentials_and_online_with_them(monkeypatch, 
     assert tracker("offline").resolved_mode() == "offline"
 
 
-def test_wandb_run_id_is_kept_in_the_run_directory(tmp_path):
+def test_a_tracker_run_id_is_kept_in_the_run_directory(tmp_path):
     old_run = tmp_path / "old"
     (old_run / "checkpoints" / "step_00000010").mkdir(parents=True)
     (old_run / WANDB_ID_FILE).write_text("abc123\n")
     new_run = tmp_path / "new"
     new_run.mkdir()
-    assert WandbTracker.run_id(new_run, str(old_run / "checkpoints" / "step_00000010")) == "abc123"
-    fresh = WandbTracker.run_id(new_run, None)
-    assert fresh != "abc123" and len(fresh) == 12
+    resumed = TrackedRun(new_run, "new", None, {}, str(old_run / "checkpoints" / "step_00000010"), 10)
+    assert resumed.recorded_id(WANDB_ID_FILE) == "abc123"
+    assert TrackedRun(new_run, "new", None, {}).recorded_id(WANDB_ID_FILE) is None
+    (new_run / WANDB_ID_FILE).write_text("def456\n")  # this directory's own id first (a requeued job)
+    assert resumed.recorded_id(WANDB_ID_FILE) == "def456"
