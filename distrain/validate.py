@@ -25,6 +25,7 @@ from distrain.data.tokens import check_dataset
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
+from distrain.logger.mlflow_tracker import absolute_tracking_uri
 from distrain.logger.trackers import TrackerSetupError
 from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
@@ -269,6 +270,8 @@ def absolute_paths(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         if isinstance(value, str) and value and not Path(value).is_absolute():
             OmegaConf.update(cfg, key, str(Path(value).expanduser().resolve()), merge=False)
+    if uri := OmegaConf.select(cfg, "logger.mlflow.tracking_uri", default=None):
+        OmegaConf.update(cfg, "logger.mlflow.tracking_uri", absolute_tracking_uri(uri), merge=False)
 
 
 def _validate_dataset(cfg: DictConfig) -> None:

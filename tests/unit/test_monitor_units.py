@@ -66,3 +66,13 @@ def test_a_tracker_run_id_is_kept_in_the_run_directory(tmp_path):
     assert TrackedRun(new_run, "new", None, {}).recorded_id(WANDB_ID_FILE) is None
     (new_run / WANDB_ID_FILE).write_text("def456\n")  # this directory's own id first (a requeued job)
     assert resumed.recorded_id(WANDB_ID_FILE) == "def456"
+
+
+def test_a_relative_mlflow_store_is_made_absolute_for_the_saved_config(tmp_path, monkeypatch):
+    from distrain.logger.mlflow_tracker import absolute_tracking_uri
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_tracking_uri("sqlite:///runs/m.db") == f"sqlite:///{tmp_path / 'runs' / 'm.db'}"
+    assert absolute_tracking_uri("mlruns") == str(tmp_path / "mlruns")
+    for kept in ("sqlite:////srv/m.db", "http://tracking:5000", "file:///srv/mlruns", None):
+        assert absolute_tracking_uri(kept) == kept
