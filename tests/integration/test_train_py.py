@@ -101,6 +101,22 @@ def test_default_training_learns(tmp_path):
     assert summary["final_train_loss"] < 0.6 * records[0]["loss"]
     assert summary["final_val_loss"] < 0.7 * records[0]["loss"]
     print(f"default run: first logged loss {records[0]['loss']:.3f} -> final {summary['final_train_loss']:.3f}")
+    check_console(result.stdout + result.stderr, run_dir, summary)
+
+
+def check_console(printed, run_dir, summary):
+    """One short line of the main numbers per logged step, a small table naming the run directory at the end, no
+    line over 200 characters (the full summary is in summary.json, not on the console)."""
+    lines = printed.splitlines()
+    assert len(max(lines, key=len)) <= 200, max(lines, key=len)
+    step_lines = [line for line in lines if " | loss " in line]
+    assert [line.split("step ")[1].split(" |")[0] for line in step_lines] == [f"{n}/200" for n in range(10, 201, 10)]
+    for field in ("lr ", "grad ", " tok/s", "mfu ", "mem ", "eta "):
+        assert all(field in line for line in step_lines), field
+    table = lines[lines.index(next(line for line in lines if "run summary" in line)) :]
+    rows = {row.split("  ")[1].strip(): row.split("  ", 2)[2].strip() for row in table[1:] if row.startswith("  ")}
+    assert rows["run directory"] == str(run_dir.resolve()) and rows["steps"] == "200"
+    assert rows["val loss"] == f"{summary['final_val_loss']:.4g}"
 
 
 def test_module_is_importable_without_running_hydra():
