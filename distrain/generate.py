@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -119,12 +120,14 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / "config.yaml").is_file():
         return path
     for directory in (path / "checkpoints", path):
-        if step_directories(directory):
+        if steps := step_directories(directory):
             newest = newest_valid(directory, report=False)
             if newest is None:
                 raise ValueError(f"{directory} holds no complete checkpoint (every step_* fails its manifest check)")
+            if newest != steps[-1]:
+                print(f"distrain generate: using {newest.name}; newer checkpoints fail their check", file=sys.stderr)
             return newest
-    return path
+    raise ValueError(f"{path}: no checkpoint there (a step_* directory, or a run directory with checkpoints/)")
 
 
 def load_model(checkpoint: Path, device: str) -> tuple[torch.nn.Module, DictConfig]:
@@ -161,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     register_configs()
     try:
-        if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-            raise ValueError("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
+        if args.max_new_tokens < 1 or not 0 <= args.temperature < math.inf or args.top_k < 0:
+            raise ValueError("--max-new-tokens must be >= 1, --temperature a finite number >= 0, --top-k >= 0")
+        check_device(args.device)
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's loader prints: stdout holds only the text
             model, cfg = load_model(resolve_checkpoint(args.checkpoint), args.device)
         tokenizer = find_tokenizer(cfg, args.tokenizer)
@@ -172,6 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(args.prompt + text)
     return 0
+
+
+def check_device(name: str) -> None:
+    """ValueError for a device torch does not know, or a CUDA device on a machine without one."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is visible here; use cpu")
 
 
 def _generate(model: torch.nn.Module, cfg: DictConfig, tokenizer: Any, args: argparse.Namespace) -> str:

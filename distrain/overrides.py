@@ -17,7 +17,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from distrain.config import register_configs
+from distrain.config import SCHEMAS, register_configs
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -77,7 +77,7 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
             schema = getattr(cause, "object_type", None)
             if "not in" in reason:
                 known = _one_of(schema) if schema is not None and dataclasses.is_dataclass(schema) else reason
-                reason = _tracker_hint(cause.full_key, config_dir) or f"no such key ({known})"
+                reason = _tracker_hint(cause.full_key) or f"no such key ({known})"
             return f"{cause.full_key}={value!r} is not allowed: {reason}"
         return " ".join(str(err).split())
     except (ValueError, TypeError) as err:  # Hydra's own type errors (a group option that is not a name)
@@ -85,15 +85,21 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
     return _added_to_a_schema(cfg, overrides)
 
 
-def _tracker_hint(full_key: str, config_dir: Path) -> str | None:
-    """``logger.<key>`` where ``<key>`` is not a selected tracker: each tracker's keys sit under its name."""
+def _tracker_hint(full_key: str) -> str | None:
+    """A ``logger.*`` key that is not there: each tracker's keys sit under its name, a tracker's key only exists
+    when it is selected, and a new tag is added with ``+``."""
     parts = full_key.split(".")
-    if parts[0] != "logger" or len(parts) != 2:
+    trackers = SCHEMAS["logger"]
+    if parts[0] != "logger" or len(parts) < 2:
         return None
-    trackers = sorted(path.stem for path in (config_dir / "logger").glob("*.yaml") if path.stem != "none")
-    if parts[1] in trackers:
+    if len(parts) == 2 and parts[1] in trackers:
         return f"logger.{parts[1]} is not selected; select it with logger={parts[1]} or logger=[{parts[1]},...]"
-    return f"no such tracker; each tracker's keys sit under its name (logger.<{'|'.join(trackers)}>.<key>)"
+    if len(parts) == 2:
+        owners = [f"logger.{name}.{parts[1]}" for name, schema in trackers.items() if parts[1] in _fields(schema)]
+        return f"each tracker's keys sit under its name: {' or '.join(owners) or 'logger.<tracker>.<key>'}"
+    if len(parts) == 4 and parts[2] == "tags":
+        return f"a new tag is added with a plus: +{full_key}=<value>"
+    return None
 
 
 def _added_to_a_schema(cfg: DictConfig, overrides: list[str]) -> str | None:

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 MLFLOW_ID_FILE = "mlflow_run_id"
 REMOTE_SCHEMES = ("http", "https")
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
-ALLOWED_URIS = "sqlite:///<path>, file:///<dir>, a directory, http(s)://<host>:<port>, postgresql://..., mysql://..."
+ALLOWED_URIS = "sqlite:///<path>, http(s)://<host>:<port>, postgresql://..., mysql://..., databricks"
 PARAM_VALUE_LIMIT = 6000  # MLflow refuses longer parameter values
 BATCH_LIMIT = 100  # parameters per log_batch call
 CONNECT_TIMEOUT_S = 3.0
@@ -65,6 +65,8 @@ class MlflowTracker:
     def check(self) -> None:
         """The package, and a URI this tracker can reach: a local store's directory exists, a server answers."""
         require_package("mlflow", "mlflow")
+        if not self.experiment_name:
+            raise TrackerSetupError("experiment_name", self.experiment_name, "a non-empty experiment name")
         uri = self.tracking_uri
         scheme = urlparse(uri).scheme.split("+")[0] if uri else "sqlite"
         if scheme == "sqlite":
@@ -72,6 +74,12 @@ class MlflowTracker:
         if uri is None:
             return
         if scheme in ("", "file"):
+            if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
+                raise TrackerSetupError(
+                    "tracking_uri",
+                    uri,
+                    "sqlite:///<path> (MLflow 3 opens file stores only with MLFLOW_ALLOW_FILE_STORE=true)",
+                )
             if Path(urlparse(uri).path if scheme else uri).is_file():
                 raise TrackerSetupError("tracking_uri", uri, f"{ALLOWED_URIS} (this path is a file)")
         elif scheme == "sqlite":

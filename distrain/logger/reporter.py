@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -47,19 +48,25 @@ class RunReporter:
         initial_step: int,
         resumed_from: str | None,
     ) -> None:
-        """Rewind metrics.jsonl to ``initial_step``, start the trackers (RunError naming the one that fails; the
-        others are then failed by ``fail``) and the progress bar."""
+        """Rewind metrics.jsonl to ``initial_step``, start the trackers and the progress bar. Called on every rank;
+        rank 0 broadcasts whether its trackers started (one ``broadcast_object_list``), so when one fails every
+        rank raises the RunError naming it at once, instead of the others waiting at their next collective."""
         self.initial_step, self.records = initial_step, []
-        if not self.enabled:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._rewind_metrics(initial_step)
-        run = TrackedRun(self.run_dir, run_name, run_group, config, resumed_from, initial_step)
-        for name, tracker in self.trackers.items():
-            try:
-                tracker.start(run)
-            except Exception as err:
-                raise RunError(f"logger.{name} could not start: {_first_line(err)}") from err
+        problem = [None]
+        if self.enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._rewind_metrics(initial_step)
+            run = TrackedRun(self.run_dir, run_name, run_group, config, resumed_from, initial_step)
+            for name, tracker in self.trackers.items():
+                try:
+                    tracker.start(run)
+                except Exception as err:  # noqa: BLE001 - any tracker's own error becomes the one line below
+                    problem = [f"logger.{name} could not start: {_first_line(err)}"]
+                    break
+        if dist.is_initialized():
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise RunError(problem[0])
         if self.show_bar:
             self.bar = tqdm(total=self.max_steps, initial=initial_step, desc="train", dynamic_ncols=True, leave=False)
             self._redirect = logging_redirect_tqdm([logging.getLogger("distrain")], tqdm_class=tqdm)
@@ -141,7 +148,7 @@ def _fail_quietly(tracker: Tracker) -> None:
 
 
 def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:400]
 
 
 def without_nonfinite(value: Any) -> Any:

@@ -29,6 +29,7 @@ from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader
 from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.dist import DistEnv
+from distrain.errors import RunError
 from distrain.faults import maybe_inject_fault
 from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
@@ -72,8 +73,15 @@ class StepResult:
     marks: dict[str, Any] = field(default_factory=dict)
 
 
-class NonFiniteGradientError(FloatingPointError):
-    """Raised before the optimizer step when gradients are not finite and ``on_nonfinite=stop``."""
+class NonFiniteGradientError(RunError, FloatingPointError):
+    """Raised before the optimizer step when gradients are not finite and ``on_nonfinite=stop``: every rank sees
+    the same all-reduced norm, so every rank raises it, and the job ends with its one line."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"{detail}; the weights are unchanged. Find the op that made it with debug=nan, or drop such updates "
+            "with trainer.on_nonfinite=skip"
+        )
 
 
 class Strategy(Protocol):

@@ -3,8 +3,10 @@ names metrics.jsonl uses; a continued job continues the same runs; a tracker tha
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import json
+import threading
 
 import pytest
 from helpers import FAST, compose_config, run_train
@@ -122,7 +124,9 @@ def test_a_failing_run_marks_its_tracker_runs_failed(tmp_path):
         (["logger=mlflow", "logger.mlflow.tracking_uri=bogus://store"], "logger.mlflow.tracking_uri='bogus://store'"),
         (["logger=tensorboard", "logger.tensorboard.dir={tmp}/afile"], "logger.tensorboard.dir="),
         (["logger=[wandb,mlfow]"], "logger='mlfow' is not allowed: one of jsonl, mlflow, none, tensorboard, wandb"),
-        (["logger.project=x"], "each tracker's keys sit under its name"),
+        (["logger.project=x"], "each tracker's keys sit under its name: logger.wandb.project"),
+        (["logger=mlflow", "logger.mlflow.tags.team=nlp"], "a new tag is added with a plus: +logger.mlflow.tags.team="),
+        (["logger=mlflow", "logger.mlflow.tracking_uri=file:///tmp/x"], "MLFLOW_ALLOW_FILE_STORE=true"),
         (["logger=tensorboard", "logger.wandb.project=x"], "select it with logger=wandb"),
     ],
 )
@@ -144,3 +148,18 @@ def test_a_missing_tracker_package_names_the_extra(monkeypatch):
     assert str(refused.value) == (
         "logger='mlflow' is not allowed: this tracker needs the mlflow package: pip install 'distrain[trackers]'"
     )
+
+
+def test_a_tracker_that_fails_to_start_after_its_check_ends_the_job_in_one_line(tmp_path):
+    """A web server that is not MLflow passes the reachability check; starting fails on rank 0, every rank learns
+    it from rank 0 (no rank left waiting at a collective) and the job ends at once with one line."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        done = run_train([*FAST, "logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri={uri}"], tmp_path)
+    finally:
+        server.shutdown()
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].startswith("distrain: logger.mlflow could not start: API request"), done.stderr
+    assert "SIGKILL" not in done.stderr  # no rank had to be killed after the grace period
