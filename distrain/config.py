@@ -123,14 +123,16 @@ class ZeroConfig:
     stage: int = "${stage_or:2}"
     overlap_comm: bool = False  # overlap gradient reduction with backward (uses extra buffers)
     contiguous_gradients: bool = True  # copy gradients into one contiguous buffer as they are produced
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
+    # Communication buffers, in elements; None: sized to the model (its parameter count), capped at DeepSpeed's
+    # defaults (5e8, 5e8, 5e7, 1e9), so a small model does not pay for gigabytes of buckets.
+    reduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None
     offload_optimizer: Offload = Offload.none  # cpu: optimizer state and step on the CPU (GPU runs)
     offload_param: Offload = Offload.none  # none | cpu: parameters in CPU memory between uses (stage 3, GPU runs)
-    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int | None = None
     # 0, not DeepSpeed's 1e5: distrain's small models would otherwise keep every tensor resident, unsharded.
     stage3_param_persistence_threshold: int = 0
-    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_live_parameters: int | None = None
 
 
 # ------------------------------------------------------------------------------------------ optimizer

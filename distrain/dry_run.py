@@ -98,18 +98,19 @@ class DryRunReport:
             f"{self.steps_per_epoch:,} steps per epoch",
             *([] if self.mesh is None else [_mesh_line(self.mesh)]),
             f"predicted memory per rank ({unit_name}) against {t.device_memory_bytes / GIB:.1f} GiB per device:",
-            f"  {'ranks':<44} {'params':>8} {'grads':>8} {'optim':>8} {'gathered':>9} {'activ':>8} {'total':>8}  fits",
+            f"  {'ranks':<44} {'params':>8} {'grads':>8} {'optim':>8} {'gathered':>9} {'activ':>8} {'buffers':>8} "
+            f"{'total':>8}  fits",
         ]
         for row in self.ranks:
-            values = (row.params, row.grads, row.optimizer, row.gathered, row.activations, row.total)
-            cells = " ".join(f"{v / unit:>{w}.3f}" for v, w in zip(values, (8, 8, 8, 9, 8, 8), strict=True))
+            values = (row.params, row.grads, row.optimizer, row.gathered, row.activations, row.buffers, row.total)
+            cells = " ".join(f"{v / unit:>{w}.3f}" for v, w in zip(values, (8, 8, 8, 9, 8, 8, 8), strict=True))
             verdict = "yes" if row.total <= t.device_memory_bytes else "NO"
             lines.append(f"  {row.ranks:<44} {cells}  {verdict}")
         margin = t.device_memory_bytes - fullest
         lines.append(
             f"fits: {'yes' if self.fits else 'NO'} ({abs(margin) / GIB:.2f} GiB "
             f"{'to spare' if margin >= 0 else 'short'} on the fullest rank; allocator fragmentation, "
-            "communication buffers and the CUDA context come on top)"
+            "other strategies' communication buffers and the CUDA context come on top)"
         )
         return "\n".join(lines)
 

@@ -196,9 +196,10 @@ def validate_sharding(cfg: DictConfig, device_type: str) -> None:
             raise ConfigError("parallelism.offload_param", cfg.parallelism.offload_param, "none below stage 3")
         if device_type == "cpu" and cfg.precision.compute_dtype == "float16":
             raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with DeepSpeed on cpu (no fp16 there)")
-        for size in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
-            check(cfg, f"parallelism.{size}", positive, "a number of elements > 0")
-        check(cfg, "parallelism.stage3_max_live_parameters", positive, "a number of elements > 0")
+        sizes = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+        for size in (*sizes, "stage3_max_live_parameters"):
+            allowed = "a number of elements > 0 (or null: sized to the model)"
+            check(cfg, f"parallelism.{size}", lambda v: v is None or v > 0, allowed)
         check(cfg, "parallelism.stage3_param_persistence_threshold", at_least(0), "a number of elements >= 0")
 
 

@@ -56,6 +56,7 @@ class RankMemory:
     optimizer: int
     gathered: int  # parameters all-gathered for compute (FSDP, ZeRO-3), held only while computing
     activations: int  # saved for backward, at the schedule's peak
+    buffers: int = 0  # communication buckets the strategy allocates (ZeRO's gradient buckets)
 
     @property
     def model_state(self) -> int:
@@ -63,7 +64,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.model_state + self.gathered + self.activations
+        return self.model_state + self.gathered + self.activations + self.buffers
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self) | {"model_state": self.model_state, "total": self.total}
@@ -308,6 +309,9 @@ def _zero(
     if low_precision:
         model = model.to(precision.compute_dtype)
     activations = _activation_bytes(model, workload.micro_batch_size, workload.seq_len, precision)
+    # The gradient bucket backward fills (two with overlap_comm), in the gradients' dtype.
+    settings = strategy.sized_to(num_params)
+    buckets = (2 if settings["overlap_comm"] else 1) * settings["reduce_bucket_size"] * (2 if low_precision else 4)
     return RankMemory(
         ranks="every rank",
         params=state.params,
@@ -315,4 +319,5 @@ def _zero(
         optimizer=state.optimizer,
         gathered=gathered,
         activations=activations,
+        buffers=buckets if settings["contiguous_gradients"] else 0,
     )

@@ -29,6 +29,15 @@ from distrain.parallelism.base import NonFiniteGradientError, StepResult, Strate
 from distrain.parallelism.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
 
 CHECKPOINT_TAG = "deepspeed"
+# DeepSpeed's defaults for the buffer sizes (elements) that are sized to the model when not set; sizes are rounded
+# up to a multiple of BUFFER_ALIGNMENT (DeepSpeed asserts its all-gather bucket is a multiple of its NCCL alignment).
+BUFFER_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+}
+BUFFER_ALIGNMENT = 512
 
 
 def import_deepspeed(device_type: str) -> Any:
@@ -75,13 +84,13 @@ class ZeroStrategy:
         stage: int,
         overlap_comm: bool,
         contiguous_gradients: bool,
-        reduce_bucket_size: int,
-        allgather_bucket_size: int,
+        reduce_bucket_size: int | None,
+        allgather_bucket_size: int | None,
         offload_optimizer: str,
         offload_param: str,
-        stage3_prefetch_bucket_size: int,
+        stage3_prefetch_bucket_size: int | None,
         stage3_param_persistence_threshold: int,
-        stage3_max_live_parameters: int,
+        stage3_max_live_parameters: int | None,
     ) -> None:
         self.name, self.stage = name, stage
         self.zero_settings = {
@@ -102,14 +111,24 @@ class ZeroStrategy:
             if offload_param != "none":
                 self.zero_settings["offload_param"] = {"device": offload_param, "pin_memory": True}
 
-    def deepspeed_config(self, ctx: StrategyContext) -> dict[str, Any]:
-        """The DeepSpeed config equivalent to distrain's settings (batch, accumulation, clipping, precision)."""
+    def sized_to(self, num_params: int) -> dict[str, Any]:
+        """``zero_settings`` with each buffer size left unset (None) sized to the model: its parameter count
+        (rounded up to DeepSpeed's alignment), capped at DeepSpeed's default."""
+        sized = dict(self.zero_settings)
+        for key, cap in BUFFER_DEFAULTS.items():
+            if key in sized and sized[key] is None:
+                sized[key] = min(cap, -(-num_params // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT)
+        return sized
+
+    def deepspeed_config(self, ctx: StrategyContext, num_params: int) -> dict[str, Any]:
+        """The DeepSpeed config equivalent to distrain's settings (batch, accumulation, clipping, precision), its
+        buffers sized to a model of ``num_params`` parameters where not set."""
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": ctx.micro_batch_size,
             "gradient_accumulation_steps": ctx.grad_accum_steps,
             "train_batch_size": ctx.micro_batch_size * ctx.grad_accum_steps * ctx.env.world_size,
             "gradient_clipping": ctx.grad_clip_norm,
-            "zero_optimization": self.zero_settings,
+            "zero_optimization": self.sized_to(num_params),
             # distrain builds the torch optimizer (AdamW/SGD) from its optimizer group; DeepSpeed wraps it.
             "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False,
@@ -126,7 +145,7 @@ class ZeroStrategy:
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         deepspeed = import_deepspeed(ctx.env.device.type)
         self.ctx, self.device, self.spec = ctx, ctx.env.device, spec_of(model)
-        config = self.deepspeed_config(ctx)
+        config = self.deepspeed_config(ctx, sum(p.numel() for p in model.parameters()))
         if ctx.env.is_main:
             Path(ctx.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(ctx.run_dir) / "deepspeed_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -145,6 +164,7 @@ class ZeroStrategy:
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
         self.engine.train()
+        watch = self._watch_buckets() if self._state_bytes is None else None
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(micro_batches):
             batch = batch.to(self.device)
@@ -167,6 +187,7 @@ class ZeroStrategy:
                 maybe_inject_fault(self.ctx.env.rank, self.engine.global_steps, point="update")
             if measure:  # optimizer state exists only after the first step
                 self._state_bytes = self._measure_model_state(counter, grad_bytes)
+                watch.remove()
             loss_sum += micro_loss.detach().float()
         total_tokens = sum(batch.num_tokens for batch in micro_batches)
         grad_norm = self.engine.get_global_grad_norm()
@@ -201,15 +222,29 @@ class ZeroStrategy:
         grads += [t for path, t in self._zero_optimizer_tensors() if "grad" in path.lower() and "ipg" not in path]
         return counter.bytes(grads)
 
+    def _watch_buckets(self) -> torch.utils.hooks.RemovableHandle:
+        """Record the bytes of DeepSpeed's gradient buckets while backward fills them (they are freed before the
+        step returns), from a backward hook on the first block: the last module backward reaches."""
+        self._bucket_bytes = 0
+        first_block = next(iter(self.spec.block_modules(self.engine.module).values()))
+
+        def record(*_: object) -> None:
+            buckets = getattr(self.engine.optimizer, "ipg_buckets", {}).values()
+            held = sum(t.numel() * t.element_size() for bucket in buckets for t in bucket.buffer)
+            self._bucket_bytes = max(self._bucket_bytes, held)
+
+        return first_block.register_full_backward_hook(record)
+
     def _measure_model_state(self, counter: StorageCounter, grad_bytes: int) -> ModelStateBytes:
         """Parameter partitions (full parameters below stage 3), optimizer state with the fp32 master partitions,
-        and, as buffers, whatever else the ZeRO optimizer holds (communication buckets, scratch)."""
+        and, as buffers, whatever else the ZeRO optimizer holds (scratch) and its gradient buckets at their fullest
+        during backward."""
         param_bytes = counter.bytes(getattr(p, "ds_tensor", p) for p in self.engine.module.parameters())
         found = self._zero_optimizer_tensors()
         inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         optimizer_bytes = counter.bytes(optimizer_state_tensors(inner))
         optimizer_bytes += counter.bytes(t for path, t in found if "fp32" in path)
-        buffer_bytes = counter.bytes(t for path, t in found)
+        buffer_bytes = counter.bytes(t for path, t in found) + self._bucket_bytes
         return ModelStateBytes(params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes, buffers=buffer_bytes)
 
     def model_state_bytes(self) -> ModelStateBytes:
