@@ -84,6 +84,7 @@ class RunReporter:
             return
         lines = self.metrics_path.read_text().splitlines(keepends=True)
         kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= initial_step]
+        self.records = [json.loads(line) for line in kept]  # the summary's statistics cover the whole run
         if len(kept) < len(lines):
             rewritten = self.metrics_path.with_suffix(".jsonl.tmp")
             rewritten.write_text("".join(kept))
@@ -109,6 +110,9 @@ class RunReporter:
             return
         self._close_bar()
         summary = summary | {"metrics": metric_statistics(self.records)}
+        earlier = [record["loss"] for record in self.records if "loss" in record]
+        if earlier:  # after a resume, the run's first logged loss is an earlier job's
+            summary["first_logged_loss"] = earlier[0]
         (self.run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
         self._to_trackers("finish", summary)
         self.trackers = {}

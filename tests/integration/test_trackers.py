@@ -106,6 +106,8 @@ def test_continued_and_rerun_jobs_keep_one_value_per_step_in_every_tracker(track
     assert rerun.data.tags["distrain.resumed_from_run"] == first.info.run_id
     assert rerun.data.tags["distrain.resumed_at_step"] == "10"
     assert history(client, rerun) == {12: final[12], 14: final[14]}
+    summary = json.loads((run_dir / "summary.json").read_text())  # the whole run's, not only the last job's
+    assert summary["metrics"]["loss"]["count"] == 7 and summary["first_logged_loss"] == final[2]
 
 
 def test_a_failing_run_marks_its_tracker_runs_failed(tmp_path):
