@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 GIB = 1024**3
@@ -29,25 +30,29 @@ def duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
+# What one console line shows, in order: (record key, how it reads, how the value is written).
+STEP_FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("loss", "loss {}", short_number),
+    ("val_loss", "val {}", short_number),
+    ("lr", "lr {}", lambda value: f"{value:.2e}"),
+    ("grad_norm", "grad {}", short_number),
+    ("tokens_per_s", "{} tok/s", si_number),
+    ("mfu", "mfu {}", lambda value: f"{value:.1%}"),
+    ("memory_peak_bytes", "mem {}", lambda value: f"{value / GIB:.2f} GiB"),
+)
+
+
 def step_line(record: dict[str, Any], max_steps: int) -> str:
-    """``step 10/200 | loss 4.62 | val 4.1 | lr 1.65e-03 | grad 3.01 | 15.3k tok/s | mfu 57% | mem 0.38 GiB | eta``."""
+    """``step 10/200 | loss 4.62 | val 4.1 | lr 1.65e-03 | grad 3.01 | 15.3k tok/s | mfu 57% | mem 0.38 GiB | eta``;
+    a metric that is absent or None is left out, a non-finite one is written as such (training never stops here)."""
     parts = [f"step {record['step']}/{max_steps}"]
-    if "loss" in record:
-        parts.append(f"loss {short_number(record['loss'])}")
-    if "val_loss" in record:
-        parts.append(f"val {short_number(record['val_loss'])}")
-    if "lr" in record:
-        parts.append(f"lr {record['lr']:.2e}")
-    if "grad_norm" in record:
-        parts.append(f"grad {short_number(record['grad_norm'])}")
-    if "tokens_per_s" in record:
-        parts.append(f"{si_number(record['tokens_per_s'])} tok/s")
-    if record.get("mfu") is not None:
-        parts.append(f"mfu {record['mfu']:.1%}")
-    if record.get("memory_peak_bytes") is not None:
-        parts.append(f"mem {record['memory_peak_bytes'] / GIB:.2f} GiB")
-    if "step_time_s" in record:
-        parts.append(f"eta {duration(record['step_time_s'] * (max_steps - record['step']))}")
+    for key, template, show in STEP_FIELDS:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(template.format(show(value) if math.isfinite(value) else str(value)))
+    step_time = record.get("step_time_s")
+    if isinstance(step_time, (int, float)) and math.isfinite(step_time):
+        parts.append(f"eta {duration(step_time * (max_steps - record['step']))}")
     return " | ".join(parts)
 
 

@@ -76,3 +76,12 @@ def test_a_relative_mlflow_store_is_made_absolute_for_the_saved_config(tmp_path,
     assert absolute_tracking_uri("mlruns") == str(tmp_path / "mlruns")
     for kept in ("sqlite:////srv/m.db", "http://tracking:5000", "file:///srv/mlruns", None):
         assert absolute_tracking_uri(kept) == kept
+
+
+def test_a_console_line_survives_missing_and_non_finite_metrics():
+    from distrain.logger.console import step_line
+
+    line = step_line({"step": 3, "loss": float("nan"), "lr": None, "mfu": 0.25, "step_time_s": float("inf")}, 10)
+    assert line == "step 3/10 | loss nan | mfu 25.0%"
+    full = {"step": 10, "loss": 4.6227, "lr": 1.65e-3, "grad_norm": 4.08, "tokens_per_s": 15313.0, "step_time_s": 0.13}
+    assert step_line(full, 200) == "step 10/200 | loss 4.623 | lr 1.65e-03 | grad 4.08 | 15.3k tok/s | eta 0:00:24"
