@@ -51,8 +51,9 @@ def step_line(record: dict[str, Any], max_steps: int) -> str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             parts.append(template.format(show(value) if math.isfinite(value) else str(value)))
     step_time = record.get("step_time_s")
-    if isinstance(step_time, (int, float)) and math.isfinite(step_time):
-        parts.append(f"eta {duration(step_time * (max_steps - record['step']))}")
+    remaining = step_time * (max_steps - record["step"]) if isinstance(step_time, (int, float)) else math.nan
+    if math.isfinite(remaining):
+        parts.append(f"eta {duration(remaining)}")
     return " | ".join(parts)
 
 

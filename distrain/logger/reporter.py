@@ -110,9 +110,11 @@ class RunReporter:
             return
         self._close_bar()
         summary = summary | {"metrics": metric_statistics(self.records)}
-        earlier = [record["loss"] for record in self.records if "loss" in record]
-        if earlier:  # after a resume, the run's first logged loss is an earlier job's
-            summary["first_logged_loss"] = earlier[0]
+        losses = [record["loss"] for record in self.records if isinstance(record.get("loss"), (int, float))]
+        if losses:  # after a resume, the run's first logged loss is an earlier job's
+            summary["first_logged_loss"] = losses[0]
+            if summary.get("final_train_loss") is None:
+                summary["final_train_loss"] = losses[-1]
         (self.run_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
         self._to_trackers("finish", summary)
         self.trackers = {}

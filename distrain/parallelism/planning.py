@@ -309,9 +309,12 @@ def _zero(
     if low_precision:
         model = model.to(precision.compute_dtype)
     activations = _activation_bytes(model, workload.micro_batch_size, workload.seq_len, precision)
-    # The gradient bucket backward fills (two with overlap_comm), in the gradients' dtype.
+    # The gradient bucket backward fills, in the gradients' dtype: two with overlap_comm below stage 3; DeepSpeed
+    # uses it whenever gradients are contiguous, which offloading the optimizer forces.
     settings = strategy.sized_to(num_params)
-    buckets = (2 if settings["overlap_comm"] else 1) * settings["reduce_bucket_size"] * (2 if low_precision else 4)
+    count = 2 if settings["overlap_comm"] and strategy.stage < 3 else 1
+    buckets = count * settings["reduce_bucket_size"] * (2 if low_precision else 4)
+    contiguous = settings["contiguous_gradients"] or "offload_optimizer" in settings
     return RankMemory(
         ranks="every rank",
         params=state.params,
@@ -319,5 +322,5 @@ def _zero(
         optimizer=state.optimizer,
         gathered=gathered,
         activations=activations,
-        buffers=buckets if settings["contiguous_gradients"] else 0,
+        buffers=buckets if contiguous else 0,
     )

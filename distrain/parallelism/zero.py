@@ -164,7 +164,8 @@ class ZeroStrategy:
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
         self.engine.train()
-        watch = self._watch_buckets() if self._state_bytes is None else None
+        if self._state_bytes is None:
+            self._watch_buckets()
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(micro_batches):
             batch = batch.to(self.device)
@@ -187,7 +188,6 @@ class ZeroStrategy:
                 maybe_inject_fault(self.ctx.env.rank, self.engine.global_steps, point="update")
             if measure:  # optimizer state exists only after the first step
                 self._state_bytes = self._measure_model_state(counter, grad_bytes)
-                watch.remove()
             loss_sum += micro_loss.detach().float()
         total_tokens = sum(batch.num_tokens for batch in micro_batches)
         grad_norm = self.engine.get_global_grad_norm()
@@ -222,18 +222,24 @@ class ZeroStrategy:
         grads += [t for path, t in self._zero_optimizer_tensors() if "grad" in path.lower() and "ipg" not in path]
         return counter.bytes(grads)
 
-    def _watch_buckets(self) -> torch.utils.hooks.RemovableHandle:
-        """Record the bytes of DeepSpeed's gradient buckets while backward fills them (they are freed before the
-        step returns), from a backward hook on the first block: the last module backward reaches."""
+    def _watch_buckets(self) -> None:
+        """Record the bytes of DeepSpeed's stage-1/2 gradient buckets while backward fills them (they are freed
+        before the step returns; stage 3 keeps its bucket, which ``_measure_model_state`` finds), from a backward
+        hook on the first block, the last module backward reaches. The hook removes itself after one record."""
         self._bucket_bytes = 0
-        first_block = next(iter(self.spec.block_modules(self.engine.module).values()))
+        blocks = list(self.spec.block_modules(self.engine.module).values())
+        if self.stage == 3 or not blocks:  # a model without blocks: its buckets go unmeasured (0)
+            return
 
         def record(*_: object) -> None:
-            buckets = getattr(self.engine.optimizer, "ipg_buckets", {}).values()
-            held = sum(t.numel() * t.element_size() for bucket in buckets for t in bucket.buffer)
+            held = 0
+            for bucket in getattr(self.engine.optimizer, "ipg_buckets", {}).values():
+                buffers = bucket.buffer if isinstance(bucket.buffer, list) else [bucket.buffer]
+                held += sum(t.numel() * t.element_size() for t in buffers if t is not None)
             self._bucket_bytes = max(self._bucket_bytes, held)
+            handle.remove()
 
-        return first_block.register_full_backward_hook(record)
+        handle = blocks[0].register_full_backward_hook(record)
 
     def _measure_model_state(self, counter: StorageCounter, grad_bytes: int) -> ModelStateBytes:
         """Parameter partitions (full parameters below stage 3), optimizer state with the fp32 master partitions,

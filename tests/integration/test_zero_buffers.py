@@ -11,7 +11,7 @@ from helpers import run_train
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
-ZERO = ["parallelism=zero", "stage=2", "trainer.max_steps=2", "logger=none", "checkpoint=none", "hydra.run.dir=run"]
+ZERO = ["parallelism=zero", "trainer.max_steps=2", "logger=none", "checkpoint=none", "hydra.run.dir=run"]
 
 
 def finished(tmp_path, *overrides):
@@ -22,14 +22,20 @@ def finished(tmp_path, *overrides):
     return summary, settings
 
 
-def test_zero2_buffers_are_sized_to_the_default_model(tmp_path):
-    summary, settings = finished(tmp_path)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_buffers_are_sized_to_the_default_model_and_planned(stage, tmp_path):
+    summary, settings = finished(tmp_path, f"stage={stage}")
     param_bytes = summary["model_parameters"] * 4  # fp32
-    assert settings["reduce_bucket_size"] == settings["allgather_bucket_size"] >= summary["model_parameters"]
-    assert 0 < summary["model_state_bytes"]["buffers"] <= 4 * param_bytes, summary["model_state_bytes"]
+    assert settings["reduce_bucket_size"] >= summary["model_parameters"]
+    buffers = summary["model_state_bytes"]["buffers"]
+    assert 0 < buffers <= 4 * param_bytes, summary["model_state_bytes"]
+    planned = run_train([*ZERO, f"stage={stage}", "dry_run=true", "hydra.run.dir=plan"], tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    (rank,) = json.loads((tmp_path / "plan" / "dry_run.json").read_text())["ranks"]
+    assert abs(rank["buffers"] / buffers - 1) < 0.01, (rank["buffers"], buffers)  # the dry run counts the bucket
 
 
 def test_a_set_bucket_size_is_used_and_its_buffer_measured(tmp_path):
-    summary, settings = finished(tmp_path, "parallelism.reduce_bucket_size=100000000")
+    summary, settings = finished(tmp_path, "stage=2", "parallelism.reduce_bucket_size=100000000")
     assert settings["reduce_bucket_size"] == 100_000_000
     assert summary["model_state_bytes"]["buffers"] >= 100_000_000 * 4  # one fp32 bucket, held during backward
