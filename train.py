@@ -126,8 +126,42 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
             clock=Clock(env.device),
         ),
     )
+    data, val_batches = build_data(cfg, settings, strategy.data_parallel, pin_memory=env.device.type == "cuda")
+    reporter = RunReporter(
+        run_dir=run_dir,
+        trackers={name: instantiate(tracker) for name, tracker in cfg.logger.items()},
+        enabled=env.is_main,
+        max_steps=settings.max_steps,
+        progress_bar=settings.progress_bar,
+    )
+    return RankRun(
+        strategy=strategy,
+        data=data,
+        val_batches=val_batches,
+        reporter=reporter,
+        checkpointer=instantiate(cfg.checkpoint)(
+            run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        ),
+        settings=settings,
+        window=LogWindow(
+            device=env.device,
+            tokens_per_step=data.sampler.global_batch_size * cfg.data.seq_len,
+            samples_per_step=data.sampler.global_batch_size,
+            flops_per_token=flops_per_token,
+            peak_flops=peak_flops_per_device(env.device, precision.compute_dtype, cfg.monitor.peak_flops),
+            straggler_threshold=cfg.monitor.straggler_threshold,
+        ),
+        model_parameters=model_parameters,
+    )
+
+
+def build_data(
+    cfg: DictConfig, settings: TrainerConfig, data_parallel: tuple[int, int], *, pin_memory: bool
+) -> tuple[TrainBatches, list[Batch]]:
+    """This rank's training batches (its share of each global batch) and validation batches, for its position
+    ``(dp_rank, dp_size)`` on the data-parallel axis."""
     corpus = instantiate(cfg.data.corpus)
-    dp_rank, dp_size = strategy.data_parallel
+    dp_rank, dp_size = data_parallel
     train_windows = token_windows(corpus.train, cfg.data.seq_len)
     sampler = GlobalBatchSampler(
         num_samples=len(train_windows),
@@ -145,34 +179,8 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         dp_rank=dp_rank,
         dp_size=dp_size,
     )
-    reporter = RunReporter(
-        run_dir=run_dir,
-        trackers={name: instantiate(tracker) for name, tracker in cfg.logger.items()},
-        enabled=env.is_main,
-        max_steps=settings.max_steps,
-        progress_bar=settings.progress_bar,
-    )
-    return RankRun(
-        strategy=strategy,
-        data=TrainBatches(
-            train_windows, sampler, prefetch=cfg.data.get("prefetch", False), pin_memory=env.device.type == "cuda"
-        ),
-        val_batches=val_batches,
-        reporter=reporter,
-        checkpointer=instantiate(cfg.checkpoint)(
-            run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        ),
-        settings=settings,
-        window=LogWindow(
-            device=env.device,
-            tokens_per_step=sampler.global_batch_size * cfg.data.seq_len,
-            samples_per_step=sampler.global_batch_size,
-            flops_per_token=flops_per_token,
-            peak_flops=peak_flops_per_device(env.device, precision.compute_dtype, cfg.monitor.peak_flops),
-            straggler_threshold=cfg.monitor.straggler_threshold,
-        ),
-        model_parameters=model_parameters,
-    )
+    train = TrainBatches(train_windows, sampler, prefetch=cfg.data.get("prefetch", False), pin_memory=pin_memory)
+    return train, val_batches
 
 
 @record

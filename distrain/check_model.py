@@ -31,6 +31,7 @@ from hydra import compose, initialize_config_dir
 
 from distrain.config import register_configs
 from distrain.config_checks import ConfigError
+from distrain.errors import first_line
 from distrain.overrides import composition_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,7 +128,7 @@ def refusal(overrides: list[str]) -> str | None:
     except ConfigError as err:
         return str(err)
     except Exception as err:  # an override this layout's config cannot take (e.g. a pipeline key without a pipeline)
-        return (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return first_line(err)
     return None
 
 

@@ -37,3 +37,10 @@ def run_error_line(message: str) -> str | None:
     exception was a ``RunError``; None for any other failure (whose traceback is then worth showing)."""
     name, _, text = message.partition(": ")
     return text.strip() if name in _RUN_ERROR_NAMES else None
+
+
+def first_line(err: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's message (its type's name when empty), cut to ``limit`` characters: what a
+    one-line report quotes of a library's error."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return line if limit is None else line[:limit]

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import newest_valid, step_directories
 from distrain.checkpoint.export import consolidated_model_state
 from distrain.config import register_configs
+from distrain.errors import first_line
 
 
 class ByteTokenizer:
@@ -47,7 +48,7 @@ class FileTokenizer:
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises its own exception types for unreadable files
-            detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            detail = first_line(err)
             raise ValueError(f"{path}: an unreadable tokenizer ({detail})") from None
 
     def encode(self, text: str) -> list[int]:

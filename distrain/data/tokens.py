@@ -19,6 +19,7 @@ import torch
 from distrain.data.corpus import TokenCorpus
 from distrain.data.sampler import Batch
 from distrain.data.token_format import SPLITS, DataError, SplitIndex, has_index, is_nanogpt, read_index, verify_split
+from distrain.errors import first_line
 
 
 class ShardedTokens:
@@ -164,7 +165,7 @@ def check_dataset(path: str, *, checksums: bool) -> None:
 
             Tokenizer.from_file(str(tokenizer))
         except Exception as err:  # tokenizers raises its own exception types for unreadable files
-            detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            detail = first_line(err)
             raise DataError(str(tokenizer), f"an unreadable tokenizer ({detail})") from None
 
 

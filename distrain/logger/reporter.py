@@ -14,9 +14,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from distrain.errors import RunError
+from distrain.errors import RunError, first_line
 from distrain.logger.console import step_line, summary_table
-from distrain.logger.trackers import TrackedRun, Tracker
+from distrain.logger.trackers import TrackedRun, Tracker, numeric_metrics
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RunReporter:
                 try:
                     tracker.start(run)
                 except Exception as err:  # noqa: BLE001 - any tracker's own error becomes the one line below
-                    problem = [f"logger.{name} could not start: {_first_line(err)}"]
+                    problem = [f"logger.{name} could not start: {first_line(err, 400)}"]
                     break
         if dist.is_initialized():
             dist.broadcast_object_list(problem, src=0)
@@ -141,7 +141,7 @@ class RunReporter:
             try:
                 getattr(tracker, method)(payload)
             except Exception as err:  # noqa: BLE001 - a tracker's outage must not stop training
-                log.warning("logger.%s failed (%s); it gets no more records this run", name, _first_line(err))
+                log.warning("logger.%s failed (%s); it gets no more records this run", name, first_line(err, 400))
                 del self.trackers[name]
                 _fail_quietly(tracker)
 
@@ -150,11 +150,7 @@ def _fail_quietly(tracker: Tracker) -> None:
     try:
         tracker.fail()
     except Exception as err:  # noqa: BLE001 - closing a broken tracker must not hide the run's own outcome
-        log.warning("could not mark the tracker's run failed: %s", _first_line(err))
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:400]
+        log.warning("could not mark the tracker's run failed: %s", first_line(err, 400))
 
 
 def without_nonfinite(value: Any) -> Any:
@@ -177,10 +173,9 @@ def metric_statistics(records: list[dict[str, Any]]) -> dict[str, dict[str, floa
     """Mean, standard deviation, min and max of every numeric metric over the logged records."""
     columns: dict[str, list[float]] = {}
     for record in records:
-        for key, value in record.items():
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if key != "step" and number and math.isfinite(value):
-                columns.setdefault(key, []).append(float(value))
+        for key, value in numeric_metrics(record).items():
+            if math.isfinite(value):
+                columns.setdefault(key, []).append(value)
     stats = {}
     for key, values in columns.items():
         stats[key] = {

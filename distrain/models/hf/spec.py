@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from distrain.config_checks import ConfigError, check
+from distrain.errors import first_line
 from distrain.models.spec import ConfigProblem, ModelSpec, matmul_flops_per_token
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
@@ -99,7 +100,7 @@ def check_weights(path: Path, config: object) -> None:
     try:
         shapes = hf_shapes(path)
     except Exception as err:  # safetensors raises its own error types for a damaged header
-        detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        detail = first_line(err)
         raise ConfigError("model.name_or_path", str(path), f"readable *.safetensors weights ({detail})") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
