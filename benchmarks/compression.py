@@ -1,14 +1,15 @@
-"""Gradient compression side by side: bytes each rank sends per step, compression ratio, step time and the loss
-after a fixed number of steps, for dense DDP, bf16, PowerSGD and top-k at 1% (with and without
-density warm-up) and 0.1%.
+"""Gradient compression side by side: bytes each rank sends, validation loss, and the quality guard's error, for
+dense DDP, bf16, PowerSGD and top-k (both feedbacks, with and without density warm-up), on one job.
 
 Runs `train.py` once per option on the default model and data (the out-of-the-box run), 2 CPU ranks unless told
 otherwise, and reads each run's summary.json and metrics.jsonl. Bytes are distrain's ``grad_bytes_sent`` (the
-traffic model in distrain/comm/traffic.py, checked against gloo's socket writes in tests/distributed/test_comm.py).
-Ratios are computed within one invocation.
+traffic model in distrain/comm/traffic.py, checked against gloo's socket writes in tests/distributed/test_comm.py),
+averaged over every logged window, so they are the whole run's bytes per step. Ratios are computed within one
+invocation. With ``--out-dir``: compression.md (the table) and compression.png (bytes vs validation loss, the
+Pareto front dashed).
 
     python benchmarks/compression.py                        # 200 steps, 2 ranks
-    python benchmarks/compression.py --steps 100 --world-size 4 --out-dir results/
+    python benchmarks/compression.py --steps 100 --world-size 4 --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -20,18 +21,23 @@ from pathlib import Path
 
 from common import metrics, publish, train
 
+DENSE = "dense (comm=default)"
 OPTIONS = {
-    "dense (comm=default)": ["comm=default"],
+    DENSE: ["comm=default"],
     "bf16": ["comm=bf16"],
     "powersgd rank 4": ["comm=powersgd", "comm.rank=4"],
-    "top-k 1%": ["comm=topk", "comm.density=0.01"],
-    "top-k 1%, 100-step warm-up from dense": [
+    "powersgd rank 1": ["comm=powersgd", "comm.rank=1"],
+    "top-k 1% (estimate, the default)": ["comm=topk", "comm.density=0.01"],
+    "top-k 2% (estimate)": ["comm=topk", "comm.density=0.02"],
+    "top-k 1% (residual)": ["comm=topk", "comm.density=0.01", "comm.feedback=residual"],
+    "top-k 1% (residual), 100-step warm-up from dense": [
         "comm=topk",
         "comm.density=0.01",
+        "comm.feedback=residual",
         "comm.warmup_steps=100",
         "comm.warmup_start_density=1.0",
     ],
-    "top-k 0.1%": ["comm=topk", "comm.density=0.001"],
+    "top-k 0.1% (estimate)": ["comm=topk", "comm.density=0.001"],
 }
 
 
@@ -46,14 +52,37 @@ def run(overrides: list[str], steps: int, world: int, run_dir: Path) -> dict:
         "logger=none",
     ]
     summary = train(args, run_dir)
-    windows = [r for r in metrics(run_dir) if "grad_bytes_sent" in r][1:]  # the first window includes warm-up
+    records = metrics(run_dir)
+    windows = [r for r in records if "grad_bytes_sent" in r]
+    errors = [r["grad_compression_error"] for r in records if "grad_compression_error" in r]
     return {
         "bytes": statistics.mean(r["grad_bytes_sent"] for r in windows),
-        "step_time_s": statistics.mean(r["step_time_s"] for r in windows),
-        "comm_time_s": statistics.mean(r["comm_busy_time_s"] for r in windows),
+        "step_time_s": statistics.mean(r["step_time_s"] for r in windows[1:]),  # the first includes warm-up
         "train_loss": summary["final_train_loss"],
         "val_loss": summary["final_val_loss"],
+        "error": statistics.mean(errors) if errors else None,
     }
+
+
+def pareto_plot(results: dict[str, dict], title: str, path: Path) -> None:
+    """Bytes per step (log) against final validation loss; the options no other beats on both are joined."""
+    import matplotlib.pyplot as plt
+
+    points = sorted((r["bytes"] / 2**20, r["val_loss"], name) for name, r in results.items())
+    front, best = [], float("inf")
+    for sent, loss, _ in points:
+        if loss < best:
+            front.append((sent, loss))
+            best = loss
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for sent, loss, name in points:
+        axes.scatter(sent, loss, color="tab:blue" if (sent, loss) in front else "tab:gray")
+        axes.annotate(name, (sent, loss), textcoords="offset points", xytext=(5, 3), fontsize="x-small")
+    axes.plot(*zip(*front, strict=True), linestyle="--", color="tab:blue", label="Pareto front")
+    axes.set(xscale="log", xlabel="gradient MiB sent / rank / step", ylabel="final validation loss", title=title)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
 
 
 def main() -> None:
@@ -62,22 +91,25 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=None, help="write compression.md and compression.png here")
     args = parser.parse_args()
-    header = "| option | bytes sent / rank / step | compression | step (s) | comm busy (s) | train loss | val loss |"
-    rows = [header, "|---|---|---|---|---|---|---|"]
+    header = "| option | MiB / rank / step | fewer bytes | val loss | vs dense | train loss | guard error | step (s) |"
+    rows = [header, "|---|---|---|---|---|---|---|---|"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for index, (name, overrides) in enumerate(OPTIONS.items()):
-            results[name] = result = run(overrides, args.steps, args.world_size, Path(tmp) / str(index))
-            dense = results["dense (comm=default)"]
+            results[name] = r = run(overrides, args.steps, args.world_size, Path(tmp) / str(index))
+            dense = results[DENSE]
+            error = "-" if r["error"] is None else f"{r['error']:.2f}"
             rows.append(
-                f"| {name} | {result['bytes'] / 2**20:.3f} MiB | {dense['bytes'] / result['bytes']:.1f}x"
-                f" | {result['step_time_s']:.4f} ({result['step_time_s'] / dense['step_time_s']:.2f}x)"
-                f" | {result['comm_time_s']:.4f} | {result['train_loss']:.3f} | {result['val_loss']:.3f} |"
+                f"| {name} | {r['bytes'] / 2**20:.3f} | {dense['bytes'] / r['bytes']:.1f}x | {r['val_loss']:.3f}"
+                f" | {r['val_loss'] / dense['val_loss'] - 1:+.1%} | {r['train_loss']:.3f} | {error}"
+                f" | {r['step_time_s']:.3f} ({r['step_time_s'] / dense['step_time_s']:.2f}x) |"
             )
             print(rows[-1], flush=True)
     title = f"default model and data, {args.world_size} CPU ranks (gloo), {args.steps} steps"
-    sent = {name: result["bytes"] / 2**20 for name, result in results.items()}
-    publish(title, rows, args.out_dir, "compression", bars=(sent, "gradient MiB sent / rank / step"), log_scale=True)
+    publish(title, rows, args.out_dir, "compression")
+    if args.out_dir is not None:
+        pareto_plot(results, title, args.out_dir / "compression.png")
+        print(f"wrote {args.out_dir / 'compression.png'}")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,19 @@ composition time, before any rank starts. Defaults live here and nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from distrain.choices import choices
+from distrain.comm.config import (
+    CastCommConfig,
+    DDPCommConfig,
+    HierarchicalCommConfig,
+    PowerSGDCommConfig,
+    TopKCommConfig,
+)
 from distrain.data.config import StdlibDataConfig, SyntheticDataConfig, TokensDataConfig
 from distrain.models.gpt.config import GPTConfig
 from distrain.models.hf.config import HFConfig
@@ -24,37 +31,18 @@ from distrain.models.moe.config import MoEConfig
 # ---------------------------------------------------------------------------------------------- choices
 
 
-class Choice(str, Enum):
-    """A string option with a closed set of values: Hydra refuses any other value at composition, listing the
-    allowed ones. Members are their own names and compare, hash and print as the plain string."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-    def __repr__(self) -> str:
-        return repr(str(self.value))
-
-
-def _choices(name: str, *values: str) -> type[Choice]:
-    return Choice(name, {value: value for value in values})
-
-
-Device = _choices("Device", "auto", "cpu", "cuda")
-TargetDevice = _choices("TargetDevice", "cpu", "cuda")
-Backend = _choices("Backend", "gloo", "nccl")
-OnNonfinite = _choices("OnNonfinite", "stop", "skip")
-Decay = _choices("Decay", "cosine", "linear", "constant")
-ComputeDtype = _choices("ComputeDtype", "float32", "bfloat16", "float16")
-CommDtype = _choices("CommDtype", "bfloat16", "float16")
-Schedule = _choices("Schedule", "gpipe", "1f1b", "interleaved")
-DataParallelMode = _choices("DataParallelMode", "fsdp", "replicate")
-Offload = _choices("Offload", "none", "cpu")
-RecomputeMode = _choices("RecomputeMode", "none", "full", "selective")
-CompileScope = _choices("CompileScope", "blocks", "model")
-WandbMode = _choices("WandbMode", "auto", "online", "offline", "disabled")
+Device = choices("Device", "auto", "cpu", "cuda")
+TargetDevice = choices("TargetDevice", "cpu", "cuda")
+Backend = choices("Backend", "gloo", "nccl")
+OnNonfinite = choices("OnNonfinite", "stop", "skip")
+Decay = choices("Decay", "cosine", "linear", "constant")
+ComputeDtype = choices("ComputeDtype", "float32", "bfloat16", "float16")
+Schedule = choices("Schedule", "gpipe", "1f1b", "interleaved")
+DataParallelMode = choices("DataParallelMode", "fsdp", "replicate")
+Offload = choices("Offload", "none", "cpu")
+RecomputeMode = choices("RecomputeMode", "none", "full", "selective")
+CompileScope = choices("CompileScope", "blocks", "model")
+WandbMode = choices("WandbMode", "auto", "online", "offline", "disabled")
 
 # ---------------------------------------------------------------------------------------------- model
 
@@ -182,63 +170,6 @@ class PrecisionConfig:
     name: str = "fp32"
     compute_dtype: ComputeDtype = ComputeDtype.float32  # float32 (no autocast) | bfloat16 | float16
     grad_scaler: bool = False
-
-
-# ----------------------------------------------------------------------------------------------- comm
-
-
-@dataclass(kw_only=True)
-class DDPCommConfig:
-    """Settings of DDP's gradient reducer (used by strategies that all-reduce gradients through DDP)."""
-
-    _target_: str = "distrain.comm.ddp_comm.DDPComm"
-    name: str = "default"
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-
-
-@dataclass(kw_only=True)
-class CastCommConfig(DDPCommConfig):
-    """Gradients all-reduced in 16 bits (half the bytes), then cast back to fp32."""
-
-    _target_: str = "distrain.comm.compression.CastComm"
-    name: str = "bf16"
-    dtype: CommDtype = CommDtype.bfloat16  # bfloat16 | float16
-
-
-@dataclass(kw_only=True)
-class PowerSGDCommConfig(DDPCommConfig):
-    """PyTorch's PowerSGD hook: gradient matrices sent as rank-``rank`` factors, with error feedback."""
-
-    _target_: str = "distrain.comm.compression.PowerSGDComm"
-    name: str = "powersgd"
-    rank: int = 4  # rank of the low-rank approximation
-    start_iter: int = 10  # dense all-reduce for the first steps (>= 2: DDP rebuilds its buckets after step 1)
-    min_compression_rate: float = 2.0  # a matrix is compressed only when that saves at least this factor
-    error_feedback: bool = True
-    warm_start: bool = True  # reuse the last step's Q as the starting point (one power iteration per step)
-
-
-@dataclass(kw_only=True)
-class TopKCommConfig(DDPCommConfig):
-    """Top-k sparsification with error feedback: each rank sends only its largest ``density`` fraction."""
-
-    _target_: str = "distrain.comm.compression.TopKComm"
-    name: str = "topk"
-    density: float = 0.01  # fraction of gradient entries sent per step, in (0, 1]
-    warmup_steps: int = 0  # density decays exponentially from warmup_start_density to density over these steps
-    warmup_start_density: float = 0.25
-    momentum: float = 0.0  # momentum correction in the compressor (then use optimizer=sgd optimizer.momentum=0)
-
-
-@dataclass(kw_only=True)
-class HierarchicalCommConfig(DDPCommConfig):
-    """Two-level all-reduce: reduce inside each node, all-reduce across node leaders, broadcast inside nodes."""
-
-    _target_: str = "distrain.comm.hierarchical.HierarchicalComm"
-    name: str = "hierarchical"
-    ranks_per_node: int | None = None  # None: the launcher's LOCAL_WORLD_SIZE (torchrun, SLURM tasks per node)
 
 
 # ----------------------------------------------------------------------------------------- checkpoint

@@ -115,7 +115,7 @@ def train(
     same completed step with no half-applied update, then the failure is raised (``PeerFailedError`` on the
     healthy ranks). Returns the summary (rank 0's is written to summary.json).
     """
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     window.restart()
     tokens_per_step = window.tokens_per_step
     skipped_steps = 0
@@ -217,6 +217,7 @@ def train(
         "final_val_loss": val_loss,
         "tokens_seen": state.tokens_seen,
         "wall_time_s": time.perf_counter() - started,
+        "loop_started_at": started_at,  # Unix time: start-up ends here (benchmarks/peers.py)
         "peak_memory_bytes_per_rank": [peak for peak, _ in per_rank],
         "model_state_bytes": per_rank[0][1],
         "model_state_bytes_per_rank": [state_bytes["total"] for _, state_bytes in per_rank],

@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
+from distrain.comm.checks import validate_comm
 from distrain.config_checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.data.corpus import CorpusTooSmall
 from distrain.data.sampler import GlobalBatchSampler, longest_window, token_windows
@@ -35,7 +36,6 @@ from distrain.validate_parallelism import (
     is_mesh_layout,
     meta_model,
     spec_for_config,
-    validate_comm,
     validate_hybrid,
     validate_sharding,
 )
@@ -146,7 +146,8 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     for note in adopt_renamed_keys(cfg):
         log.warning(note)
     derive_accumulation(cfg, world_size, local)  # before the pipeline checks, which divide the step's sequences
-    validate_comm(cfg, world_size)
+    for note in validate_comm(cfg, world_size):
+        log.warning(note)
     validate_sharding(cfg, device_type)
     if is_mesh_layout(cfg):
         validate_hybrid(cfg, world_size, ranks_per_node=local)

@@ -1,4 +1,4 @@
-"""Checks of the parallelism and communication options against the world size, the model and each other.
+"""Checks of the parallelism options against the world size, the model and each other (comm: distrain.comm.checks).
 
 Called by ``distrain.validate.validate`` once the world size is known (the job's, or a dry run's target).
 """
@@ -13,7 +13,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from distrain.config_checks import ConfigError, at_least, check, positive
+from distrain.config_checks import ConfigError, at_least, check
 from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
 
 if TYPE_CHECKING:
@@ -123,46 +123,6 @@ def raise_problem(cfg: DictConfig, problem: ConfigProblem | str | None, strategy
         raise ConfigError(problem.key, problem.value, problem.allowed)
     if problem:
         raise ConfigError("model", model_name(cfg), f"a model {strategy} can split: {problem}")
-
-
-def validate_comm(cfg: DictConfig, world_size: int) -> None:
-    """Compression and hierarchical all-reduce are DDP communication hooks: only parallelism=ddp has them."""
-    comm = cfg.comm
-    if comm.name != "default" and cfg.parallelism.name != "ddp":
-        raise ConfigError(
-            "comm",
-            comm.name,
-            f"comm=default with parallelism={cfg.parallelism.name}; comm={comm.name} is a DDP communication hook "
-            "and combines only with parallelism=ddp (zero, fsdp, pipeline, tensor and single have no DDP hooks)",
-        )
-    if comm.name == "powersgd" or "start_iter" in comm:
-        check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the gradient approximation)")
-        check(cfg, "comm.start_iter", at_least(2), "an integer >= 2 (DDP rebuilds its buckets after step 1)")
-        check(cfg, "comm.min_compression_rate", positive, "a number > 0")
-    if "density" in comm:
-        check(cfg, "comm.density", lambda v: v is not None and 0 < v <= 1, "a fraction in (0, 1]")
-        check(cfg, "comm.warmup_steps", at_least(0), "an integer >= 0")
-        check(
-            cfg,
-            "comm.warmup_start_density",
-            lambda v: v is not None and comm.density <= v <= 1,
-            f"a fraction in [comm.density ({comm.density}), 1]",
-        )
-        check(cfg, "comm.momentum", lambda v: v is not None and 0 <= v < 1, "a number in [0, 1)")
-        uses_momentum = cfg.optimizer._target_.endswith(".sgd") and cfg.optimizer.momentum == 0
-        if comm.momentum > 0 and not uses_momentum:
-            raise ConfigError(
-                "comm.momentum",
-                comm.momentum,
-                "0 unless optimizer=sgd optimizer.momentum=0 (momentum correction moves momentum into the compressor)",
-            )
-    if "ranks_per_node" in comm and comm.ranks_per_node is not None:
-        check(
-            cfg,
-            "comm.ranks_per_node",
-            lambda v: v >= 1 and world_size % v == 0,
-            f"a divisor of the world size ({world_size}), or null for the launcher's ranks per node",
-        )
 
 
 def validate_sharding(cfg: DictConfig, device_type: str) -> None:

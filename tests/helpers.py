@@ -35,14 +35,19 @@ FAST = [
 ]
 
 
+def documentation() -> str:
+    """The README and every page under docs/, as one text (the code blocks the tests run live in them)."""
+    return "\n".join(path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+
+
 def run_readme_bash_block(
     first_line: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900
 ) -> subprocess.CompletedProcess:
-    """Run, as written, the README's one bash block starting with ``first_line``, from ``cwd`` (a scratch directory,
-    not the checkout): only ``python`` becomes this interpreter and ``train.py`` its path in the repository."""
-    readme = (REPO / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if b.startswith(first_line)]
-    assert len(blocks) == 1, f"README must hold one bash block starting with {first_line!r}"
+    """Run, as written, the one bash block of the README or docs/ starting with ``first_line``, from ``cwd`` (a
+    scratch directory, not the checkout): only ``python`` becomes this interpreter and ``train.py`` its path in the
+    repository."""
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", documentation(), flags=re.S) if b.startswith(first_line)]
+    assert len(blocks) == 1, f"README and docs/ must hold one bash block starting with {first_line!r}"
     block = blocks[0].replace("python train.py", f"python {REPO / 'train.py'}").replace("python ", f"{sys.executable} ")
     paths = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run(
@@ -151,7 +156,7 @@ def train_steps(cfg_dicts: list[dict[str, Any]], steps: int, checkpoint_at: int 
     """
     import tempfile
 
-    import train
+    from distrain.build import build
     from distrain.checkpoint.checkpointer import Checkpointer
     from distrain.loop import TrainState, loop_state, restore_loop_state
     from distrain.parallelism.compile import compile_report
@@ -167,7 +172,7 @@ def train_steps(cfg_dicts: list[dict[str, Any]], steps: int, checkpoint_at: int 
             run_dir = tempfile.mkdtemp() if env.rank == 0 else ""
             shared = [run_dir]
             torch.distributed.broadcast_object_list(shared)
-            run = train.build(cfg, env, run_dir=shared[0])
+            run = build(cfg, env, run_dir=shared[0])
             state, losses, saved = TrainState(), [], None
             for step in range(1, steps + 1):
                 losses.append(run.strategy.train_step(run.data.next_step()).loss.item())
@@ -179,7 +184,7 @@ def train_steps(cfg_dicts: list[dict[str, Any]], steps: int, checkpoint_at: int 
                 result["compile"] = compile_report().as_dict()
             del run
             if saved is not None:
-                resumed, state = train.build(cfg, env, run_dir=shared[0]), TrainState()
+                resumed, state = build(cfg, env, run_dir=shared[0]), TrainState()
                 restore_loop_state(
                     Checkpointer.load(saved, resumed.strategy, loop_state(state, resumed.data)), state, resumed.data
                 )

@@ -1,8 +1,9 @@
 """How a DDP-wrapped model communicates gradients: reducer bucket settings and the communication hook.
 
-``comm=default`` is DDP's bucketed ring all-reduce; the compressing and hierarchical variants in
-``distrain.comm.compression`` and ``distrain.comm.hierarchical`` replace how one bucket is averaged and keep
-everything else (bucketing, overlap with backward, ``no_sync`` accumulation, bytes and time accounting).
+``comm=default`` is DDP's bucketed ring all-reduce; the compressing variants (``distrain.comm.compression``: cast and
+PowerSGD, ``distrain.comm.topk``; their quality guard in ``distrain.comm.quality``) and the hierarchical one
+(``distrain.comm.hierarchical``) replace how one bucket is averaged and keep everything else (bucketing, overlap
+with backward, ``no_sync`` accumulation, bytes and time accounting).
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ class LogWindow:
         self.paused += seconds
 
     def close(self) -> dict[str, Any]:
-        """The window's metrics record, identical on every rank but for the model's own metrics (this rank's).
+        """The window's metrics record, identical on every rank but for the model's own metrics (this rank's) and
+        the compression quality guard's check (rank 0 only).
         Collective: one all_gather."""
         steps = self.steps
         elapsed = self.clock.seconds(self.started, self.clock.mark()) - self.paused
@@ -114,7 +115,7 @@ class LogWindow:
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         per_rank = torch.cat(gathered).cpu()  # [rank, field]
-        model_metrics = self._model_metrics()
+        model_metrics = self._model_metrics() | self._comm_quality()
         self._reset()
         record = self._record(per_rank, steps, elapsed)
         return record | {name: value for name, value in model_metrics.items() if name not in record}
@@ -127,6 +128,11 @@ class LogWindow:
             for name, value in marks.get("model_metrics", {}).items():
                 sums[name] = sums.get(name, 0.0) + float(value) / self.steps
         return sums
+
+    def _comm_quality(self) -> dict[str, float]:
+        """The compression quality guard's latest check in this window (rank 0 only; ``distrain.comm.quality``)."""
+        checks = [marks["comm_quality"] for marks in self.marks if "comm_quality" in marks]
+        return checks[-1] if checks else {}
 
     def _record(self, per_rank: torch.Tensor, steps: int, elapsed: float) -> dict[str, Any]:
         column = {name: per_rank[:, i] for i, name in enumerate(_FIELDS)}

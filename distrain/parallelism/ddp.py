@@ -54,11 +54,12 @@ class DDPStrategy(LocalBackwardStrategy):
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         """Also restores the comm option's state when the checkpoint has it for this rank and was written by
-        the same world size (a residual belongs to one rank's data shard); otherwise that state starts empty."""
+        the same world size (a residual belongs to one rank's data shard) with the same keys (the same option and
+        top-k feedback); otherwise that state starts empty."""
         saved_keys = load_dcp_metadata(path / ".metadata").state_dict_metadata
-        restored = checkpoint_world_size(path) == self.ctx.env.world_size and any(
-            key.startswith(f"comm_rank{self.ctx.env.rank}.") for key in saved_keys
-        )
+        # Every key this option keeps must be there: another comm option or top-k feedback saves other keys.
+        wanted = {f"comm_rank{self.ctx.env.rank}.{key}" for key in self.ctx.comm.state_dict()}
+        restored = checkpoint_world_size(path) == self.ctx.env.world_size and bool(wanted) and wanted <= set(saved_keys)
         if self.ctx.comm.state_dict() and not restored:
             log.warning(
                 "comm=%s: no compression state for this rank and world size in %s; it starts empty",

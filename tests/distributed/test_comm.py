@@ -7,21 +7,17 @@ this process passes to write/send, and during a collective nothing else in the p
 
 from __future__ import annotations
 
-import copy
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import FAST, compose_config, join, leave, on_ranks, to_plain, train_steps
-from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import train
-from distrain.comm.compression import CastComm, PowerSGDComm, TopKComm
+from distrain.comm.compression import CastComm, PowerSGDComm
 from distrain.comm.ddp_comm import DDPComm
 from distrain.comm.hierarchical import (
     HierarchicalComm,
@@ -30,6 +26,7 @@ from distrain.comm.hierarchical import (
     hierarchical_all_reduce,
     hierarchical_bytes,
 )
+from distrain.comm.topk import TopKComm
 from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes, broadcast_bytes, reduce_bytes
 from distrain.monitor.timing import Clock
 
@@ -89,13 +86,23 @@ def tiny_model() -> nn.Module:
 
 
 DDP_ARGS = {"name": "x", "bucket_cap_mb": 0.05, "gradient_as_bucket_view": True, "static_graph": False}
+GUARD = {"quality_every": 0, "quality_threshold": 0.9}  # the quality guard off, unless a test turns it on
+
+
+def topk(density, feedback="estimate", **guard):
+    return TopKComm(
+        density=density, warmup_steps=0, warmup_start_density=1.0, feedback=feedback, **(GUARD | guard), **DDP_ARGS
+    )
+
+
 COMMS = {
     "default": lambda: DDPComm(**DDP_ARGS),
-    "bf16": lambda: CastComm(dtype="bfloat16", **DDP_ARGS),
+    "bf16": lambda: CastComm(dtype="bfloat16", **GUARD, **DDP_ARGS),
     "powersgd": lambda: PowerSGDComm(
-        rank=2, start_iter=2, min_compression_rate=2.0, error_feedback=True, warm_start=True, **DDP_ARGS
+        rank=2, start_iter=2, min_compression_rate=2.0, error_feedback=True, warm_start=True, **GUARD, **DDP_ARGS
     ),
-    "topk": lambda: TopKComm(density=0.01, warmup_steps=0, warmup_start_density=0.25, momentum=0.0, **DDP_ARGS),
+    "topk": lambda: topk(0.01),
+    "topk_dense": lambda: topk(0.6),  # (value, index) pairs would cost more than the dense all-reduce
     "hierarchical": lambda: HierarchicalComm(ranks_per_node=2, **DDP_ARGS),
 }
 
@@ -123,7 +130,7 @@ def hook_bytes(names):
 
 
 def test_hooks_report_the_bytes_they_really_send_and_compression_sends_less():
-    results = on_ranks(hook_bytes, 2, ["default", "bf16", "powersgd", "topk"])
+    results = on_ranks(hook_bytes, 2, ["default", "bf16", "powersgd", "topk", "topk_dense"])
     for rank, by_comm in results.items():
         for name, steps in by_comm.items():
             for step, (written, reported, _) in enumerate(steps):
@@ -135,6 +142,8 @@ def test_hooks_report_the_bytes_they_really_send_and_compression_sends_less():
         assert by_comm["powersgd"][0][0] > 0.95 * dense  # before start_iter: dense
         # top-k 1% on 2 ranks: 8 bytes per sent entry against 4 per entry for the dense all-reduce
         assert by_comm["topk"][-1][0] < 0.05 * dense
+        # 60% on 2 ranks would send 1.2x dense as pairs: it all-reduces the dense vector instead
+        assert by_comm["topk_dense"][-1][1] == by_comm["default"][-1][1]
 
 
 def test_hierarchical_hook_reports_the_bytes_it_really_sends():
@@ -181,49 +190,6 @@ def test_hierarchical_all_reduce_equals_flat_all_reduce_on_4_ranks_as_2_nodes_of
     assert results[0]["bytes"] == results[2]["bytes"] == 2 + 4 + 4  # reduce share, broadcast, leaders' all-reduce
 
 
-# ---------------------------------------------------------------------------------- top-k error feedback
-
-
-def error_feedback_mass(density, steps=5):
-    """Each step: the true local gradient (from a hook-free copy), and what DDP with top-k produced."""
-    env = join(None)
-    try:
-        comm = TopKComm(density=density, warmup_steps=0, warmup_start_density=1.0, momentum=0.0, **DDP_ARGS)
-        model = DistributedDataParallel(tiny_model(), **comm.ddp_kwargs())
-        comm.register(model, env, Clock(torch.device("cpu")))
-        names = [name for name, _ in model.module.named_parameters()]
-        true_sum = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in model.module.named_parameters()}
-        applied_sum = copy.deepcopy(true_sum)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        for step in range(steps):
-            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step * 10 + env.rank))
-            reference = copy.deepcopy(model.module)
-            reference(x).square().mean().backward()
-            comm.begin_step()
-            model(x).square().mean().backward()
-            for (name, p), (_, q) in zip(model.module.named_parameters(), reference.named_parameters(), strict=True):
-                true_sum[name] += q.grad.double()
-                applied_sum[name] += p.grad.double()
-            optimizer.step()
-            optimizer.zero_grad()
-        residual = {name: comm.residual[name].double() for name in names}
-        for tensors in (true_sum, residual):
-            for tensor in tensors.values():
-                dist.all_reduce(tensor)
-        return {name: (true_sum[name], applied_sum[name], residual[name]) for name in names}
-    finally:
-        leave()
-
-
-def test_error_feedback_conserves_gradient_mass():
-    """Summed over steps and ranks: everything sent (world x the applied mean) plus what every rank still holds as
-    residual equals the sum of the true gradients. Nothing is lost, only delayed."""
-    for per_param in on_ranks(error_feedback_mass, 2, 0.05).values():
-        for name, (true_sum, applied_sum, residual) in per_param.items():
-            torch.testing.assert_close(2 * applied_sum + residual, true_sum, rtol=1e-5, atol=1e-6, msg=name)
-            assert residual.abs().sum() > 0  # at 5% density most of the gradient waits in the residual
-
-
 # ---------------------------------------------------------------------------- through train.py's build
 
 
@@ -236,11 +202,6 @@ def configs(*override_sets):
 
 def losses_of(results):
     return [result["losses"] for result in results]
-
-
-def test_topk_at_density_1_equals_dense_ddp():
-    dense, topk = on_ranks(train_steps, 2, configs([], ["comm=topk", "comm.density=1.0"]), STEPS)[0]
-    assert topk["losses"] == dense["losses"]  # same sums in the same order on 2 ranks: bit for bit
 
 
 ACCUMULATION_CASES = {
@@ -269,26 +230,6 @@ def test_every_hook_works_with_gradient_accumulation():
         assert whole[-1] < whole[0], name  # and it trains
 
 
-def test_topk_works_with_gradient_accumulation():
-    """Top-k is not linear in each rank's gradient, so the layouts are compared on one rank, where both read the same
-    samples: the hook must fire once per optimizer step, on the accumulated gradient, in either layout. Dense DDP on
-    the same rank shows that the sparsification really changed the updates."""
-    topk = ["comm=topk", "comm.density=0.05", "comm.warmup_steps=3"]
-    whole, accumulated, dense = on_ranks(
-        train_steps,
-        1,
-        configs(
-            [*topk, "data.micro_batch_size=4"],
-            [*topk, "data.micro_batch_size=2", "trainer.grad_accum_steps=2"],
-            ["data.micro_batch_size=4"],
-        ),
-        STEPS,
-    )[0]
-    torch.testing.assert_close(torch.tensor(accumulated["losses"]), torch.tensor(whole["losses"]), rtol=1e-4, atol=0)
-    assert whole["losses"][-1] < whole["losses"][0]
-    assert abs(whole["losses"][-1] - dense["losses"][-1]) > 1e-3
-
-
 def test_hierarchical_training_equals_flat_ddp_on_4_ranks():
     flat, two_level = on_ranks(
         train_steps,
@@ -299,12 +240,6 @@ def test_hierarchical_training_equals_flat_ddp_on_4_ranks():
     torch.testing.assert_close(torch.tensor(two_level["losses"]), torch.tensor(flat["losses"]), rtol=1e-6, atol=0)
 
 
-def test_topk_resumes_exactly_with_its_residuals():
-    (result,) = on_ranks(train_steps, 2, configs(["comm=topk", "comm.density=0.05", "checkpoint=default"]), STEPS, 4)[0]
-    assert result["resumed_from_step"] == 4
-    assert result["resumed_losses"] == result["losses"][4:]
-
-
 def test_powersgd_resumes_and_keeps_training():
     (result,) = on_ranks(
         train_steps, 2, configs(["comm=powersgd", "comm.start_iter=2", "checkpoint=default"]), STEPS, 4
@@ -313,34 +248,6 @@ def test_powersgd_resumes_and_keeps_training():
     torch.testing.assert_close(
         torch.tensor(result["resumed_losses"]), torch.tensor(result["losses"][4:]), rtol=2e-2, atol=0
     )
-
-
-@pytest.mark.slow
-def test_topk_one_percent_gets_within_5_percent_of_dense_on_the_default_task():
-    """The default model and data (train.py's out-of-the-box run: 200 AdamW steps), 2 ranks. Top-k needs DGC's
-    density warm-up here: without it, 1% reached a validation loss 23% above dense in 200 steps (README)."""
-    overrides = ["checkpoint=none", "logger=none"]
-    warmed_topk = ["comm=topk", "comm.density=0.01", "comm.warmup_steps=100", "comm.warmup_start_density=1.0"]
-    cfgs = [to_plain(compose_config([*overrides, *extra])) for extra in ([], warmed_topk)]
-    dense, topk = on_ranks(validation_after, 2, cfgs)[0]
-    assert topk <= 1.05 * dense, (topk, dense)
-
-
-def validation_after(cfg_dicts):
-    from distrain.loop import evaluate
-
-    env = join(None)
-    try:
-        losses = []
-        for cfg_dict in cfg_dicts:
-            cfg = OmegaConf.create(cfg_dict)
-            run = train.build(cfg, env, run_dir=tempfile.mkdtemp())
-            for _ in range(cfg.trainer.max_steps):
-                run.strategy.train_step(run.data.next_step())
-            losses.append(evaluate(run.strategy, run.val_batches, env.device))
-        return losses
-    finally:
-        leave()
 
 
 def test_compression_metrics_reach_the_run_directory(tmp_path):

@@ -180,12 +180,12 @@ def built_strategy_split(cfg_dict):
 
     from omegaconf import OmegaConf
 
-    import train
+    from distrain.build import build
 
     env = join(None)
     try:
         cfg = OmegaConf.create(cfg_dict)
-        run = train.build(cfg, env, run_dir=tempfile.mkdtemp())
+        run = build(cfg, env, run_dir=tempfile.mkdtemp())
         (batch,) = run.data.next_step()
         local = run.strategy._local_part(batch)
         contexts = [m.context for m in run.strategy.unwrapped.modules() if hasattr(m, "n_rep")]

@@ -7,7 +7,7 @@ import torch
 from helpers import FAST, compose_config, cpu_state, join, leave, on_ranks, to_plain
 from omegaconf import OmegaConf
 
-import train
+from distrain.build import build
 
 STEPS = 10
 pytestmark = pytest.mark.distributed
@@ -19,7 +19,7 @@ def run_configs(cfg_dicts, steps, count_allreduce):
     results = []
     try:
         for cfg_dict in cfg_dicts:
-            run = train.build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
+            run = build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
             losses = [run.strategy.train_step(run.data.next_step()).loss.item() for _ in range(steps)]
             # DDP's gradient all-reduce runs as distrain's communication hook, which counts bucket launches.
             launches = run.strategy.ctx.comm.bucket_launches if count_allreduce else 0

@@ -118,14 +118,14 @@ def test_activation_checkpointing_per_stage_keeps_the_losses():
 def busy_and_schedule_seconds(cfg_dicts, steps):
     """Per config: this rank's seconds in forward/backward chunks and in the schedule (steps after the first), and
     the theoretical bubble."""
-    import train
+    from distrain.build import build
     from distrain.monitor.timing import pipeline_occupancy
 
     env = join(None)
     try:
         results = []
         for cfg_dict in cfg_dicts:
-            run = train.build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
+            run = build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
             busy = total = 0.0
             for step in range(steps):
                 marks = run.strategy.train_step(run.data.next_step()).marks

@@ -8,7 +8,7 @@ import pytest
 from helpers import FAST, compose_config, cpu_state, join, leave, on_ranks, to_plain
 from omegaconf import OmegaConf
 
-import train
+from distrain.build import build
 from distrain.parallelism.base import NonFiniteGradientError
 
 pytestmark = pytest.mark.distributed
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 def poisoned_run(cfg_dict, poison_step, poison_rank, steps):
     env = join(None)
     try:
-        run = train.build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
+        run = build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
         model = run.strategy.model
         current = {"step": 0}
 

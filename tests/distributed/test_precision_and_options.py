@@ -7,13 +7,13 @@ import torch
 from helpers import FAST, compose_config, join, leave, on_ranks, to_plain
 from omegaconf import OmegaConf
 
-import train
+from distrain.build import build
 
 
 def few_steps(cfg_dict, steps):
     env = join(None)
     try:
-        run = train.build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
+        run = build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
         results = [run.strategy.train_step(run.data.next_step()) for _ in range(steps)]
         return {
             "losses": [r.loss.item() for r in results],

@@ -1,5 +1,5 @@
-"""``python -m distrain.check_model``: llama_tiny is exact under every layout; the README's own-model example works as
-written; a layout that is not exact is reported as failing; bad arguments get one line."""
+"""``python -m distrain.check_model``: llama_tiny is exact under every layout; the own-model example (docs/models.md)
+works as written; a layout that is not exact is reported as failing; bad arguments get one line."""
 
 import os
 import re
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO
+from helpers import REPO, documentation
 
 pytestmark = pytest.mark.integration
 
@@ -48,12 +48,11 @@ def test_llama_tiny_is_exact_under_a_layout_of_each_kind():
 
 
 def readme_block(first_line: str) -> str:
-    """The README code block that starts with ``first_line`` (a file's name in a comment), without that line."""
-    readme = (REPO / "README.md").read_text()
-    for block in re.findall(r"```(?:python|yaml)\n(.*?)```", readme, flags=re.S):
+    """The code block of the README or docs/ that starts with ``first_line`` (a file's name in a comment)."""
+    for block in re.findall(r"```(?:python|yaml)\n(.*?)```", documentation(), flags=re.S):
         if block.startswith(first_line):
             return block
-    raise AssertionError(f"README has no code block starting {first_line!r}")
+    raise AssertionError(f"README and docs/ have no code block starting {first_line!r}")
 
 
 @pytest.fixture()

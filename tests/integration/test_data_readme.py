@@ -1,4 +1,4 @@
-"""The README's "Your own data" block runs as written: prepare a BPE dataset from three standard-library packages,
+"""The "Your own data" block (docs/data.md) runs as written: prepare a BPE dataset from three standard-library packages,
 train llama_tiny on it, and sample from the checkpoint with the tokenizer stored beside the data."""
 
 import json

@@ -1,5 +1,5 @@
-"""The README's Hugging Face block runs as written: train a local HF model under FSDP, export the checkpoint, load
-the export (weights and tokenizer) with transformers."""
+"""The Hugging Face block (docs/models.md) runs as written: train a local HF model under FSDP, export the checkpoint,
+load the export (weights and tokenizer) with transformers."""
 
 import pytest
 from helpers import run_readme_bash_block, save_tiny_hf_llama

@@ -39,6 +39,12 @@ BAD_INPUTS = [
     ("comm=topk comm.density=1.5", "comm.density", "(0, 1]"),
     ("comm=topk comm.warmup_start_density=0.001", "comm.warmup_start_density", "[comm.density (0.01), 1]"),
     ("comm=topk comm.momentum=0.9", "comm.momentum", "optimizer=sgd optimizer.momentum=0"),
+    ("comm=topk precision=fp16", "comm.feedback", "residual with precision=fp16"),
+    (
+        "comm=topk comm.momentum=0.9 optimizer=sgd optimizer.momentum=0",  # momentum correction is residual-only
+        "comm.momentum",
+        "0 unless comm.feedback=residual",
+    ),
     ("parallelism=fsdp comm=topk", "comm", "combines only with parallelism=ddp"),
     ("parallelism=zero comm=powersgd", "comm", "combines only with parallelism=ddp"),
     ("parallelism=pipeline comm=bf16", "comm", "comm=default with parallelism=pipeline"),
@@ -66,6 +72,21 @@ def test_bad_value_names_key_value_and_what_is_allowed(override, key, allowed):
     assert err.value.key == key
     assert allowed in str(err.value)
     assert f"{key}=" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        (["comm=topk", "comm.feedback=residual"], True),  # classic error feedback under AdamW
+        (["comm=topk"], False),
+        (["comm=topk", "comm.feedback=residual", "optimizer=sgd"], False),
+    ],
+)
+def test_topk_feedback_unsound_for_the_optimizer_is_warned_in_one_line(caplog, overrides, warned):
+    validate(compose_config([*FAST, *overrides]))
+    lines = [r.getMessage() for r in caplog.records if "comm.feedback=residual with" in r.getMessage()]
+    assert len(lines) == int(warned)
+    assert all("\n" not in line and "sound for SGD" in line for line in lines)
 
 
 def test_zero_checkpoint_from_another_world_size_is_refused(tmp_path):

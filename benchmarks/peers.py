@@ -1,0 +1,117 @@
+"""distrain against what a user would pick instead: PyTorch Lightning, Hugging Face Accelerate and a minimal
+hand-written DDP loop, one after another in one invocation.
+
+Each trains the default model (gpt_tiny) on the default data (the standard library's source bytes) with AdamW
+(lr 3e-3, betas 0.9/0.95, weight decay 0.1, distrain's warm-up + cosine schedule), micro-batch 8 per rank, gradient
+clipping at 1.0, on the same number of gloo ranks with the same threads per rank, as a fresh command (its own
+interpreter and ranks), so start-up is measured the same way for all:
+
+- start-up: from starting the command to rank 0 beginning its first optimizer step (imports, process start,
+  process group, model, data);
+- step: mean wall time per optimizer step on rank 0 after 10 warm-up steps (for distrain, its logged step time);
+- final loss: mean training loss over the last 10 steps, averaged over ranks.
+
+Ratios are to the minimal loop. Needs ``pip install -e ".[bench]"`` (Lightning and Accelerate with the pinned torch).
+
+    python benchmarks/peers.py                                    # 2 ranks, 200 steps
+    python benchmarks/peers.py --steps 200 --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO, metrics, publish
+
+MODEL = {"vocab_size": 256, "max_seq_len": 128, "d_model": 128, "n_layers": 4, "n_heads": 4}
+MICRO_BATCH, SEQ_LEN, WARMUP_STEPS, LAST = 8, 128, 10, 10
+PEERS = ("minimal", "lightning", "accelerate")
+
+
+def run_peer(name: str, world: int, steps: int, out: Path) -> dict:
+    """``python peers.py --worker NAME`` (under torchrun for the ones that expect an outer launcher)."""
+    here = str(Path(__file__).resolve())
+    worker = [here, "--worker", name, "--steps", str(steps), "--world-size", str(world), "--result", str(out)]
+    if name == "accelerate":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *worker]
+    else:
+        command = [sys.executable, *worker]
+    env = os.environ | {"PEERS_STARTED_AT": str(time.time()), "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=out.parent)
+    if done.returncode != 0:
+        sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def run_distrain(world: int, steps: int, run_dir: Path) -> dict:
+    started = time.time()
+    args = [
+        f"distributed.nproc_per_node={world}",
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every={LAST}",
+        "trainer.eval_every=0",
+        "trainer.progress_bar=false",
+        "checkpoint=none",
+        "logger=none",
+        f"hydra.run.dir={run_dir}",
+    ]
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"distrain failed:\n{done.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    timed = [r["step_time_s"] for r in metrics(run_dir) if "step_time_s" in r][1:]  # the first window: warm-up
+    return {
+        "startup_s": summary["loop_started_at"] - started,
+        "step_time_s": sum(timed) / len(timed),
+        "final_loss": summary["final_train_loss"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out-dir", type=Path, default=None, help="write peers.md and peers.png here")
+    parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        from peer_loops import WORKERS
+
+        WORKERS[args.worker](args.world_size, args.steps, args.result)
+        return
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in PEERS:
+            results[name] = run_peer(name, args.world_size, args.steps, Path(tmp) / f"{name}.json")
+            print(name, results[name], flush=True)
+        results["distrain"] = run_distrain(args.world_size, args.steps, Path(tmp) / "distrain")
+        print("distrain", results["distrain"], flush=True)
+    minimal = results["minimal"]
+    labels = {
+        "minimal": "minimal PyTorch DDP loop",
+        "lightning": "PyTorch Lightning (Trainer, strategy=ddp)",
+        "accelerate": "Hugging Face Accelerate (torchrun)",
+        "distrain": "distrain (python train.py)",
+    }
+    header = "| framework | start-up (s) | vs minimal | step (s) | vs minimal | final loss |"
+    rows = [header, "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        rows.append(
+            f"| {labels[name]} | {r['startup_s']:.2f} | {r['startup_s'] / minimal['startup_s']:.2f}x"
+            f" | {r['step_time_s']:.4f} | {r['step_time_s'] / minimal['step_time_s']:.2f}x | {r['final_loss']:.3f} |"
+        )
+    title = f"gpt_tiny, {args.world_size} CPU ranks (gloo), {args.steps} steps, AdamW, one invocation"
+    bars = {labels[name].split(" (")[0]: r["step_time_s"] for name, r in results.items()}
+    publish(title, rows, args.out_dir, "peers", bars=(bars, "step time (s)"))
+
+
+if __name__ == "__main__":
+    main()

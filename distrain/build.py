@@ -1,0 +1,138 @@
+"""Building one rank's run from the resolved config: model, strategy (which wraps or shards the model and builds
+the optimizer), data, reporting, checkpoints and the logging window. Collectives: what the strategy's ``setup``
+runs (process groups, parameter broadcast or sharding, a comm hook's groups) and, with ``checkpoint.async_save``,
+the checkpointer's own process group."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from distrain.checkpoint.checkpointer import Checkpointer
+from distrain.config import TrainerConfig
+from distrain.data.sampler import Batch, GlobalBatchSampler, TrainBatches, token_windows, validation_batches
+from distrain.dist import DistEnv
+from distrain.logger.reporter import RunReporter
+from distrain.models.spec import spec_of
+from distrain.monitor.flops import peak_flops_per_device
+from distrain.monitor.timing import Clock
+from distrain.monitor.window import LogWindow
+from distrain.parallelism.base import Strategy, StrategyContext
+from distrain.parallelism.compile import apply_compile
+from distrain.parallelism.recompute import apply_activation_checkpointing
+from distrain.seeding import seed_everything
+
+log = logging.getLogger("distrain.train")
+
+
+@dataclass
+class RankRun:
+    """The components of one rank, built in dependency order and handed to the loop."""
+
+    strategy: Strategy
+    data: TrainBatches
+    val_batches: list[Batch]
+    reporter: RunReporter
+    checkpointer: Checkpointer
+    settings: TrainerConfig
+    window: LogWindow
+    model_parameters: int
+
+
+def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
+    """Build model, strategy (which wraps or shards it and builds the optimizer), data, reporting, checkpoints."""
+    settings = TrainerConfig(**cfg.trainer)
+    seed_everything(settings.seed)
+    torch.autograd.set_detect_anomaly(settings.detect_anomaly)
+    model = instantiate(cfg.model)
+    model_parameters = sum(p.numel() for p in model.parameters())
+    flops_per_token = spec_of(model).flops_per_token(model, cfg.data.seq_len)
+    # Before any strategy wraps the model: it changes no names, and recomputation then runs inside TP and FSDP.
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
+    strategy = instantiate(cfg.parallelism)
+    if cfg.compile and strategy.compile_unsupported:
+        if env.is_main:
+            log.warning(
+                "compile=true ignored with parallelism=%s, running eagerly: %s",
+                strategy.name,
+                strategy.compile_unsupported,
+            )
+    elif cfg.compile:  # compiles lazily at the first forward, inside whatever the strategy wraps around it
+        apply_compile(model, cfg.compile_scope, cfg.compile_backend)
+    precision = instantiate(cfg.precision)
+    strategy.setup(
+        model,
+        StrategyContext(
+            env=env,
+            build_optimizer=instantiate(cfg.optimizer),
+            build_scheduler=partial(instantiate(cfg.scheduler), total_steps=settings.max_steps),
+            precision=precision,
+            comm=instantiate(cfg.comm),
+            grad_clip_norm=settings.grad_clip_norm,
+            on_nonfinite=settings.on_nonfinite,
+            micro_batch_size=cfg.data.micro_batch_size,
+            grad_accum_steps=settings.grad_accum_steps,
+            run_dir=run_dir,
+            clock=Clock(env.device),
+        ),
+    )
+    data, val_batches = build_data(cfg, settings, strategy.data_parallel, pin_memory=env.device.type == "cuda")
+    reporter = RunReporter(
+        run_dir=run_dir,
+        trackers={name: instantiate(tracker) for name, tracker in cfg.logger.items()},
+        enabled=env.is_main,
+        max_steps=settings.max_steps,
+        progress_bar=settings.progress_bar,
+    )
+    return RankRun(
+        strategy=strategy,
+        data=data,
+        val_batches=val_batches,
+        reporter=reporter,
+        checkpointer=instantiate(cfg.checkpoint)(
+            run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        ),
+        settings=settings,
+        window=LogWindow(
+            device=env.device,
+            tokens_per_step=data.sampler.global_batch_size * cfg.data.seq_len,
+            samples_per_step=data.sampler.global_batch_size,
+            flops_per_token=flops_per_token,
+            peak_flops=peak_flops_per_device(env.device, precision.compute_dtype, cfg.monitor.peak_flops),
+            straggler_threshold=cfg.monitor.straggler_threshold,
+        ),
+        model_parameters=model_parameters,
+    )
+
+
+def build_data(
+    cfg: DictConfig, settings: TrainerConfig, data_parallel: tuple[int, int], *, pin_memory: bool
+) -> tuple[TrainBatches, list[Batch]]:
+    """This rank's training batches (its share of each global batch) and validation batches, for its position
+    ``(dp_rank, dp_size)`` on the data-parallel axis."""
+    corpus = instantiate(cfg.data.corpus)
+    dp_rank, dp_size = data_parallel
+    train_windows = token_windows(corpus.train, cfg.data.seq_len)
+    sampler = GlobalBatchSampler(
+        num_samples=len(train_windows),
+        limit_batches=settings.overfit_batches,
+        micro_batch_size=cfg.data.micro_batch_size,
+        grad_accum_steps=settings.grad_accum_steps,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=settings.seed,
+    )
+    val_batches = validation_batches(
+        token_windows(corpus.val, cfg.data.seq_len),
+        micro_batch_size=cfg.data.micro_batch_size,
+        num_batches=settings.eval_batches,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
+    train = TrainBatches(train_windows, sampler, prefetch=cfg.data.get("prefetch", False), pin_memory=pin_memory)
+    return train, val_batches

@@ -1,0 +1,197 @@
+"""What ``train.py`` does with a composed config: validate it, prepare the checkpoint directory, start the ranks
+(``distrain.rank.build_and_train`` on each) and report how they ended; or, with ``dry_run=true``, plan memory.
+
+Everything here runs in the launching process, before or after the ranks (under torchrun or a multi-task SLURM job
+the launching process is itself one rank, and ``run_ranks`` runs its ``build_and_train`` in place).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from distrain.checkpoint.checkpointer import checkpoint_step
+from distrain.checkpoint.preflight import prepare_checkpoint_dir
+from distrain.config import register_configs
+from distrain.errors import RunError, run_error_line
+from distrain.launch import (
+    ChildFailedError,
+    adopt_slurm_tasks,
+    in_slurm_job,
+    inside_launcher,
+    launcher_rank,
+    requeue_slurm_job,
+    resume_setting,
+    run_ranks,
+    slurm_restart_count,
+)
+from distrain.overrides import composition_error, plain_overrides, quote_group_options
+from distrain.preemption import REQUEUE_EXIT_CODE
+from distrain.rank import RUN_ERROR_FILE, build_and_train
+from distrain.validate import ConfigError, LaunchPlan, absolute_paths, validate
+
+register_configs()
+# conf/hydra/launcher/submitit_slurm.yaml gives the plugin's launcher our defaults and is checked against its schema
+# on purpose; Hydra warns about that matching by name on every such run.
+warnings.filterwarnings("ignore", message=".*is validated against ConfigStore schema with the same name")
+
+
+def prepare_command_line(argv: list[str]) -> None:
+    """Before Hydra parses ``argv`` (in place): under torchrun, ranks other than 0 must not create a run directory;
+    group options Hydra would read as numbers are quoted (``debug=nan``); an override that cannot compose exits 2
+    with one line."""
+    if inside_launcher() and launcher_rank() != 0:
+        argv += [
+            "hydra.output_subdir=null",
+            "hydra.run.dir=.",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+        ]
+    argv[1:] = quote_group_options(argv[1:])
+    overrides = plain_overrides(argv[1:])
+    problem = composition_error(overrides) if overrides is not None and not inside_launcher() else None
+    if problem:
+        print(f"distrain: invalid config: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Validate, then run ``build_and_train`` on every rank; returns the final validation loss (for sweepers).
+
+    With ``dry_run=true``: validate for ``target`` and print each rank's predicted memory there, in this process;
+    exit 0 when every rank fits its device, 1 when one does not, 2 for an invalid config.
+    """
+    hydra_cfg = HydraConfig.get()
+    if cfg.dry_run:
+        return plan_only(cfg, hydra_cfg.runtime.output_dir)
+    adopt_slurm_tasks()  # a multi-task SLURM job: this task is one rank
+    try:
+        plan = validate(cfg)
+    except ConfigError as err:
+        refuse(err)
+    run_dir = hydra_cfg.runtime.output_dir
+    absolute_paths(cfg)
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    cfg_dict["distributed"]["device"] = plan.device_type
+    checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")
+    run_name = f"{hydra_cfg.job.name}/{Path(run_dir).relative_to(Path(run_dir).parents[1])}"
+    with ExitStack() as held:
+        try:  # one job per checkpoint directory, and a checkpoint that fits this config, before any rank starts
+            finished = prepare_checkpoint_dir(
+                cfg,
+                directory=Path(checkpoint_dir),
+                resume=resume_setting(cfg.checkpoint.resume),
+                run_dir=run_dir,
+                take_lock=launcher_rank() == 0,
+                held=held,
+                world_size=plan.world_size,
+            )
+        except ConfigError as err:
+            refuse(err)
+        except RunError as err:
+            print(f"distrain: {err}", file=sys.stderr)
+            sys.exit(2)
+        if finished:  # e.g. a requeued job that had in fact finished: say so, change nothing
+            print(
+                f"distrain: the run is complete at step {checkpoint_step(finished)} (trainer.max_steps="
+                f"{cfg.trainer.max_steps}, checkpoint {finished}); nothing to train",
+                file=sys.stderr,
+            )
+            return None
+        return launch(cfg, plan, (cfg_dict, run_dir, run_name, run_group(hydra_cfg)), checkpoint_dir)
+
+
+def plan_only(cfg: DictConfig, output_dir: str) -> None:
+    """``dry_run=true``: print and save the memory plan; exit 1 when a rank does not fit, 2 for a bad config."""
+    from distrain import dry_run  # the planner's imports (DTensor, pipelining) only when planning
+
+    try:
+        report = dry_run.plan(cfg)
+    except ConfigError as err:
+        refuse(err)
+    print(report.describe())
+    dry_run.write_report(report, output_dir)
+    if not report.fits:  # a non-zero exit keeps `train.py dry_run=true ... && sbatch ...` from submitting
+        print(f"distrain: dry run: {report.shortfall()}", file=sys.stderr)
+        sys.exit(1)
+
+
+def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], checkpoint_dir: str) -> float | None:
+    """Start the ranks and report how they ended; returns the final validation loss."""
+    for stale in Path(rank_args[1]).glob(RUN_ERROR_FILE.format(rank="*")):
+        stale.unlink()
+    try:
+        results = run_ranks(
+            build_and_train,
+            rank_args,
+            nproc_per_node=plan.nproc_per_node,
+            max_restarts=cfg.distributed.max_restarts,
+            # CPU ranks fork from this process and skip re-importing torch; CUDA must not be forked.
+            start_method="fork" if plan.device_type == "cpu" else "spawn",
+        )
+    except RunError as err:  # raised by the one rank this process ran itself
+        fail(str(err))
+    except ChildFailedError as err:
+        fail(failure_line(err, rank_args[1]) or f"training failed\n{err.format_msg()}")
+    except SignalException as err:  # the launcher forwarded the signal; ranks checkpointed at a step boundary
+        stopped(err.sigval.name, checkpoint_dir, cfg.distributed.max_requeues)
+    summary = results.get(0) or next(iter(results.values()), None)  # a SLURM task holds only its own rank
+    if summary and summary["stopped_by"]:
+        stopped(summary["stopped_by"], checkpoint_dir, cfg.distributed.max_requeues)
+    return summary["final_val_loss"] if summary else None
+
+
+def refuse(err: ConfigError) -> NoReturn:
+    """A config mistake: one line naming the key, the value and what is allowed; exit 2 before any rank starts."""
+    print(f"distrain: invalid config: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
+def fail(message: str) -> NoReturn:
+    """The job failed: ``distrain: <message>`` on stderr, exit 1."""
+    print(f"distrain: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def failure_line(err: ChildFailedError, run_dir: str) -> str | None:
+    """The one line of a ``RunError`` some rank raised (a known cause: no traceback needed), if any."""
+    for _, failure in sorted(err.failures.items(), key=lambda item: item[1].timestamp):
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        line = run_error_line(message)
+        if line:
+            return line
+    recorded = sorted(Path(run_dir).glob(RUN_ERROR_FILE.format(rank="*")))
+    return recorded[0].read_text() if recorded else None
+
+
+def run_group(hydra_cfg: DictConfig) -> str | None:
+    """What groups this run with others in a tracker: its multirun sweep, else its SLURM job, else nothing."""
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return f"{hydra_cfg.job.name}/{hydra_cfg.sweep.dir}"
+    slurm_job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    return f"slurm-{slurm_job}" if slurm_job else None
+
+
+def stopped(signal_name: str, checkpoint_dir: str, max_requeues: int) -> NoReturn:
+    """After a graceful stop: in a SLURM job, rank 0 requeues it (up to ``max_requeues`` times); exit 143."""
+    if in_slurm_job() and launcher_rank() == 0:
+        if slurm_restart_count() < max_requeues:
+            print(f"distrain: requeueing SLURM job {os.environ['SLURM_JOB_ID']}", file=sys.stderr)
+            requeue_slurm_job()
+        else:
+            print(f"distrain: not requeued: distributed.max_requeues={max_requeues} reached", file=sys.stderr)
+    print(
+        f"distrain: stopped by {signal_name} after checkpointing; continue with checkpoint.resume=auto "
+        f"checkpoint.dir={checkpoint_dir} (exit status {REQUEUE_EXIT_CODE}: requeue)",
+        file=sys.stderr,
+    )
+    sys.exit(REQUEUE_EXIT_CODE)
