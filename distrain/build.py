@@ -22,6 +22,8 @@ from distrain.models.spec import spec_of
 from distrain.monitor.flops import peak_flops_per_device
 from distrain.monitor.timing import Clock
 from distrain.monitor.window import LogWindow
+from distrain.optim import groups
+from distrain.optim.checks import rules_of
 from distrain.parallelism.base import Strategy, StrategyContext
 from distrain.parallelism.compile import apply_compile
 from distrain.parallelism.recompute import apply_activation_checkpointing
@@ -52,6 +54,10 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     model = instantiate(cfg.model)
     model_parameters = sum(p.numel() for p in model.parameters())
     flops_per_token = spec_of(model).flops_per_token(model, cfg.data.seq_len)
+    roles = spec_of(model).parameter_roles(model)  # by the unwrapped model's names, which wrappers keep
+    if env.is_main:
+        optimizer_name = cfg.optimizer._target_.rsplit(".", 1)[-1]
+        groups.announce(model, roles, rules_of(cfg.optimizer), optimizer_name, run_dir)
     # Before any strategy wraps the model: it changes no names, and recomputation then runs inside TP and FSDP.
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
     strategy = instantiate(cfg.parallelism)
@@ -69,7 +75,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         model,
         StrategyContext(
             env=env,
-            build_optimizer=instantiate(cfg.optimizer),
+            build_optimizer=partial(instantiate(cfg.optimizer), roles=roles),
             build_scheduler=partial(instantiate(cfg.scheduler), total_steps=settings.max_steps),
             precision=precision,
             comm=instantiate(cfg.comm),

@@ -27,6 +27,7 @@ from distrain.models.hf.config import HFConfig
 from distrain.models.llama.config import LlamaConfig
 from distrain.models.mlp.config import MLPConfig
 from distrain.models.moe.config import MoEConfig
+from distrain.optim.config import AdamWConfig, MuonConfig, SchedulerConfig, SGDConfig
 
 # ---------------------------------------------------------------------------------------------- choices
 
@@ -35,7 +36,6 @@ Device = choices("Device", "auto", "cpu", "cuda")
 TargetDevice = choices("TargetDevice", "cpu", "cuda")
 Backend = choices("Backend", "gloo", "nccl")
 OnNonfinite = choices("OnNonfinite", "stop", "skip")
-Decay = choices("Decay", "cosine", "linear", "constant")
 ComputeDtype = choices("ComputeDtype", "float32", "bfloat16", "float16")
 Schedule = choices("Schedule", "gpipe", "1f1b", "interleaved")
 DataParallelMode = choices("DataParallelMode", "fsdp", "replicate")
@@ -123,40 +123,7 @@ class ZeroConfig:
     stage3_max_live_parameters: int | None = None
 
 
-# ------------------------------------------------------------------------------------------ optimizer
-
-
-@dataclass(kw_only=True)
-class AdamWConfig:
-    """AdamW; weight decay applies to matrices only (not to biases, norms or embeddings' positions)."""
-
-    _target_: str = "distrain.optim.optimizers.adamw"
-    _partial_: bool = True
-    lr: float = 3e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-
-
-@dataclass(kw_only=True)
-class SGDConfig:
-    _target_: str = "distrain.optim.optimizers.sgd"
-    _partial_: bool = True
-    lr: float = 0.1
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 0.0
-
-
-@dataclass(kw_only=True)
-class SchedulerConfig:
-    """Linear warm-up, then cosine (or linear, or no) decay to ``min_lr_ratio * lr`` at ``trainer.max_steps``."""
-
-    _target_: str = "distrain.optim.schedule.warmup_decay_schedule"
-    _partial_: bool = True
-    warmup_steps: int = 20
-    decay: Decay = Decay.cosine  # cosine | linear | constant
-    min_lr_ratio: float = 0.1
+# The optimizer group's schemas and the scheduler block live in distrain/optim/config.py.
 
 
 # ------------------------------------------------------------------------------------------ precision
@@ -319,7 +286,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "zero": ZeroConfig,
         "hybrid": HybridConfig,
     },
-    "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig},
+    "optimizer": {"adamw": AdamWConfig, "sgd": SGDConfig, "muon": MuonConfig},
     "precision": {"autocast": PrecisionConfig},
     "comm": {
         "ddp": DDPCommConfig,

@@ -15,6 +15,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.comm.checks import validate_comm
@@ -28,6 +29,7 @@ from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.logger.mlflow_tracker import absolute_tracking_uri
 from distrain.logger.trackers import TrackerSetupError
+from distrain.optim.checks import validate_optimizer
 from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
 from distrain.validate_parallelism import (
@@ -123,7 +125,9 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         raise ConfigError("distributed.nproc_per_node", nproc, f"at most the {torch.cuda.device_count()} visible GPUs")
 
     _validate_training(cfg)
-    _validate_model_and_data(cfg)
+    model = _validate_model_and_data(cfg)
+    for note in validate_optimizer(cfg, model):
+        log.warning(note)
     # A cuda target without a GPU here is assumed to be a current GPU (bf16 and fp16 autocast).
     probe_here = not target or device_type == "cpu" or torch.cuda.is_available()
     supported, reason = autocast_supported(device_type, cfg.precision.compute_dtype) if probe_here else (True, "")
@@ -165,8 +169,6 @@ def _validate_training(cfg: DictConfig) -> None:
     if cfg.trainer.on_nonfinite == "skip" and cfg.parallelism.name == "zero":
         raise ConfigError("trainer.on_nonfinite", "skip", "stop with parallelism=zero (DeepSpeed applies every step)")
 
-    check(cfg, "optimizer.lr", positive, "a learning rate > 0")
-    check(cfg, "optimizer.weight_decay", at_least(0), "a number >= 0")
     if "momentum" in cfg.optimizer:
         check(cfg, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
         if cfg.optimizer.nesterov and cfg.optimizer.momentum == 0:
@@ -181,8 +183,6 @@ def _validate_training(cfg: DictConfig) -> None:
             "two numbers in [0, 1), e.g. [0.9,0.95]",
         )
         check(cfg, "optimizer.eps", positive, "a number > 0")
-    check(cfg, "scheduler.warmup_steps", at_least(0), "an integer >= 0")
-    check(cfg, "scheduler.min_lr_ratio", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 
     check(cfg, "monitor.straggler_threshold", positive, "a fraction > 0 (0.5: 50% slower than the median)")
     check(cfg, "monitor.peak_flops", lambda v: v is None or v > 0, "FLOP/s > 0, or null (measured)")
@@ -190,9 +190,10 @@ def _validate_training(cfg: DictConfig) -> None:
     check(cfg, "monitor.profile_steps", at_least(1), "an integer >= 1")
 
 
-def _validate_model_and_data(cfg: DictConfig) -> None:
+def _validate_model_and_data(cfg: DictConfig) -> nn.Module | None:
     """Model sizes, the data's shape, the data against the model (sequence length, largest token id), and that the
-    model builds (on the meta device). Keys a model's config lacks are not checked."""
+    model builds (on the meta device); returns that meta model (None: it cannot be built on the meta device). Keys
+    a model's config lacks are not checked."""
     model_cfg = cfg.model
     for key in ("vocab_size", "max_seq_len"):  # the two keys every model config may have (the data reads them)
         if model_cfg.get(key) is not None:
@@ -219,7 +220,8 @@ def _validate_model_and_data(cfg: DictConfig) -> None:
             vocab_size,
             f"at least {largest_token + 1}, more than the data's largest token id ({largest_token})",
         )
-    meta_model(cfg, strict=False)  # the constructor's own refusals (bad sizes, unknown keys), before any rank
+    built = meta_model(cfg, strict=False)  # the constructor's own refusals (bad sizes, unknown keys), before any rank
+    return built[0] if built else None
 
 
 def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:

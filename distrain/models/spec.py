@@ -110,6 +110,8 @@ class ModelSpec:
     # Turns on context-parallel attention in every attention module, given a ContextParallel (Any: no import cycle).
     context_parallel: Callable[[nn.Module, Any], None] | None = None
     expert_parallel: ExpertParallelPlan | None = None  # how ``parallelism.ep`` splits the experts; None: no experts
+    # Parameter name -> role, for families whose roles the generic rule gets wrong (None: ``parameter_roles``'s rule).
+    roles: Callable[[nn.Module], dict[str, str]] | None = None
 
     @property
     def label(self) -> str:
@@ -206,6 +208,12 @@ class ModelSpec:
         split_head = loss_parallel or sequence_parallel  # either splits the output head over the vocabulary
         return self.tensor_problem(model, degree, split_head) if self.tensor_problem else None
 
+    # ------------------------------------------------------------------------------------------- optimizer
+    def parameter_roles(self, model: nn.Module) -> dict[str, str]:
+        """Every parameter's role (``distrain.optim.groups.ROLES``) by its name in the unwrapped ``model``: the
+        family's ``roles`` if it has one, else ``default_parameter_roles`` with this spec's ``after_blocks``."""
+        return self.roles(model) if self.roles is not None else default_parameter_roles(model, self.after_blocks)
+
     # ------------------------------------------------------------------------------------------- training
     def objective(
         self, model: nn.Module, output: torch.Tensor, targets: torch.Tensor
@@ -236,6 +244,49 @@ def spec_of(model: nn.Module) -> ModelSpec:
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"{type(model).__qualname__}.parallel_spec is {type(spec).__name__}, not a ModelSpec")
     return spec
+
+
+def default_parameter_roles(
+    model: nn.Module, after_blocks: Iterable[str], experts: Iterable[nn.Parameter] = ()
+) -> dict[str, str]:
+    """Roles by parameter name: expert (in ``experts``), embedding (an ``nn.Embedding``'s), head (a linear layer's
+    among the ``after_blocks`` children), norm (a normalisation layer's), bias, matrix (any other parameter of 2 or
+    more dimensions: the hidden matrices) or vector (the rest). A tied head is named once, as the embedding."""
+    expert_ids = {id(param) for param in experts}
+    heads = {
+        id(param)
+        for child in after_blocks
+        if model._modules.get(child) is not None
+        for module in model.get_submodule(child).modules()
+        if isinstance(module, nn.Linear)
+        for param in module.parameters(recurse=False)
+    }
+    owners: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), module)
+    roles = {}
+    for name, param in model.named_parameters():
+        owner = owners[id(param)]
+        if id(param) in expert_ids:
+            roles[name] = "expert"
+        elif isinstance(owner, nn.Embedding):
+            roles[name] = "embedding"
+        elif id(param) in heads:
+            roles[name] = "head"
+        elif _is_norm(owner):
+            roles[name] = "norm"
+        elif name.rsplit(".", 1)[-1] == "bias":
+            roles[name] = "bias"
+        else:
+            roles[name] = "matrix" if param.dim() >= 2 else "vector"
+    return roles
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation layer: torch's, or any class whose name says so (RMSNorm, LlamaRMSNorm)."""
+    torch_norms = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+    return isinstance(module, torch_norms) or "norm" in type(module).__name__.lower()
 
 
 def _shallow_copy_along(model: nn.Module, path: str) -> nn.Module:

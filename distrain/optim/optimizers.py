@@ -1,24 +1,42 @@
-"""Optimizer builders. Each takes ``named_parameters`` (after the strategy wrapped or sharded the model)."""
+"""Optimizer builders. Each takes ``named_parameters`` (this rank's, after the strategy wrapped or sharded the model)
+and ``replicated_over`` (the process group over which every rank holds the same whole parameters, as under DDP;
+None: no such group), and builds parameter groups by rule (``distrain.optim.groups``) from the ``roles`` of the
+unwrapped model (bound by ``distrain.build``; None: roles by name and shape only: bias, matrix, vector)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distrain.optim.groups import GroupRules, canonical_name, param_groups
+from distrain.optim.muon import Muon
 
-def decay_groups(named_parameters: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, object]]:
-    """Two parameter groups: matrices decay, vectors (biases, norm scales) do not; frozen parameters are left out."""
-    decay, no_decay = [], []
-    for _, param in named_parameters:
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+NamedParameters = Iterable[tuple[str, nn.Parameter]]
 
 
-def _foreach(groups: list[dict[str, object]]) -> bool | None:
+def shape_roles(named_parameters: Sequence[tuple[str, nn.Parameter]]) -> dict[str, str]:
+    """Roles without a model spec: bias by name, matrix for 2 or more dimensions, vector otherwise."""
+    roles = {}
+    for name, param in named_parameters:
+        canonical = canonical_name(name)
+        is_bias = canonical.rsplit(".", 1)[-1] == "bias"
+        roles[canonical] = "bias" if is_bias else ("matrix" if param.dim() >= 2 else "vector")
+    return roles
+
+
+def _groups(
+    named_parameters: NamedParameters, roles: Mapping[str, str] | None, rules: GroupRules, lr: float
+) -> list[dict[str, Any]]:
+    named = list(named_parameters)
+    return param_groups(named, shape_roles(named) if roles is None else roles, rules, lr)
+
+
+def _foreach(groups: list[dict[str, Any]]) -> bool | None:
     """False when tensor-parallel DTensors and plain tensors share the optimizer (its fused multi-tensor kernels,
     the default on GPUs, refuse such a mix); None (torch's default) otherwise."""
     kinds = {isinstance(p, DTensor) for group in groups for p in group["params"]}
@@ -26,26 +44,70 @@ def _foreach(groups: list[dict[str, object]]) -> bool | None:
 
 
 def adamw(
-    named_parameters: Iterable[tuple[str, nn.Parameter]],
+    named_parameters: NamedParameters,
     *,
     lr: float,
     betas: Sequence[float],
     eps: float,
     weight_decay: float,
+    no_decay: Sequence[str] = (),
+    lr_multipliers: Mapping[str, float] | None = None,
+    roles: Mapping[str, str] | None = None,
+    replicated_over: dist.ProcessGroup | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices only."""
-    groups = decay_groups(named_parameters, weight_decay)
+    """AdamW with decoupled weight decay on every parameter but those the ``no_decay`` rules name."""
+    del replicated_over  # every rank updates all of its parameters
+    groups = _groups(named_parameters, roles, GroupRules(weight_decay, no_decay, lr_multipliers), lr)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, foreach=_foreach(groups))
 
 
 def sgd(
-    named_parameters: Iterable[tuple[str, nn.Parameter]],
+    named_parameters: NamedParameters,
     *,
     lr: float,
     momentum: float,
     nesterov: bool,
     weight_decay: float,
+    no_decay: Sequence[str] = (),
+    lr_multipliers: Mapping[str, float] | None = None,
+    roles: Mapping[str, str] | None = None,
+    replicated_over: dist.ProcessGroup | None = None,
 ) -> torch.optim.SGD:
-    """SGD with (optionally Nesterov) momentum and L2 weight decay on matrices only."""
-    groups = decay_groups(named_parameters, weight_decay)
+    """SGD with (optionally Nesterov) momentum and L2 weight decay on all but the ``no_decay`` rules' parameters."""
+    del replicated_over
+    groups = _groups(named_parameters, roles, GroupRules(weight_decay, no_decay, lr_multipliers), lr)
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, foreach=_foreach(groups))
+
+
+def muon(
+    named_parameters: NamedParameters,
+    *,
+    lr: float,
+    betas: Sequence[float],
+    eps: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    bucket_mb: float,
+    muon: Sequence[str] = ("matrix",),
+    no_decay: Sequence[str] = (),
+    lr_multipliers: Mapping[str, float] | None = None,
+    roles: Mapping[str, str] | None = None,
+    replicated_over: dist.ProcessGroup | None = None,
+) -> Muon:
+    """Muon for the parameters the ``muon`` rules name, AdamW (``betas``, ``eps``) for the rest, in one optimizer;
+    Muon's work is shared over ``replicated_over`` (see ``distrain.optim.muon``)."""
+    groups = _groups(named_parameters, roles, GroupRules(weight_decay, no_decay, lr_multipliers, muon), lr)
+    return Muon(
+        groups,
+        lr=lr,
+        betas=tuple(betas),
+        eps=eps,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns_steps=ns_steps,
+        bucket_bytes=int(bucket_mb * 2**20),
+        replicated_over=replicated_over,
+        foreach=_foreach(groups),
+    )

@@ -1,4 +1,10 @@
-"""Learning-rate schedules as multiplicative factors on each group's base learning rate."""
+"""Learning-rate schedules as multiplicative factors on each group's base learning rate (``lr * lr_multiplier``).
+
+Every schedule warms up linearly, then: ``cosine`` or ``linear`` decay over the remaining steps, ``constant``, or
+``wsd`` (warm-up, stable, decay): constant until the last ``decay_fraction`` of ``total_steps``, then a decay of shape
+``linear``, ``cosine`` or ``1-sqrt``. The factor depends only on the step and the configured total, so a run resumed
+during WSD's constant phase with a larger ``trainer.max_steps`` continues exactly as a run planned that long.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +14,68 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def warmup_decay_factor(step: int, *, warmup_steps: int, total_steps: int, decay: str, min_lr_ratio: float) -> float:
-    """Factor for optimizer step ``step`` (0-based): linear warm-up to 1, then decay to ``min_lr_ratio``."""
+def decay_steps(total_steps: int, decay_fraction: float) -> int:
+    """The number of final steps WSD spends decaying (at least 1)."""
+    return max(1, round(decay_fraction * total_steps))
+
+
+def remaining(shape: str, progress: float) -> float:
+    """How much of the way from 1 down to the floor is left at ``progress`` in [0, 1] of a decay of ``shape``."""
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(progress)
+    return 1.0 - progress
+
+
+def warmup_decay_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay: str,
+    min_lr_ratio: float,
+    decay_fraction: float = 0.2,
+    decay_shape: str = "linear",
+) -> float:
+    """Factor for optimizer step ``step`` (0-based): linear warm-up to 1, then the decay towards ``min_lr_ratio``."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if decay == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if decay == "cosine" else 1.0 - progress
-    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+    if decay == "wsd":
+        length = decay_steps(total_steps, decay_fraction)
+        start = total_steps - length
+        if step < start:
+            return 1.0
+        progress, shape = min(1.0, (step - start) / length), decay_shape
+    else:
+        progress, shape = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)), decay
+    return min_lr_ratio + (1.0 - min_lr_ratio) * remaining(shape, progress)
 
 
 def warmup_decay_schedule(
-    optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float
+    optimizer: torch.optim.Optimizer,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    decay: str,
+    min_lr_ratio: float,
+    decay_fraction: float = 0.2,
+    decay_shape: str = "linear",
 ) -> LambdaLR:
-    """A LambdaLR stepping once per optimizer step; its state (last step) goes into checkpoints."""
+    """A LambdaLR stepping once per optimizer step; its state (the last step and each group's base learning rate)
+    goes into checkpoints, the schedule's shape does not (it is rebuilt from the config on resume)."""
 
     def factor(step: int) -> float:
         return warmup_decay_factor(
-            step, warmup_steps=warmup_steps, total_steps=total_steps, decay=decay, min_lr_ratio=min_lr_ratio
+            step,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            decay=str(decay),
+            min_lr_ratio=min_lr_ratio,
+            decay_fraction=decay_fraction,
+            decay_shape=str(decay_shape),
         )
 
     return LambdaLR(optimizer, factor)

@@ -33,10 +33,12 @@ from distrain.errors import RunError
 from distrain.faults import maybe_inject_fault
 from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
+from distrain.optim.groups import base_lr
 from distrain.parallelism.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
 
-OptimizerFactory = Callable[[Iterable[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+# (named_parameters, replicated_over=group or None) -> optimizer: ``distrain.optim.optimizers``.
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
@@ -212,9 +214,14 @@ class LocalBackwardStrategy:
         self.model = self.wrap(model.to(self.device), ctx)
         self.build_optimizer()
 
+    def replicas(self) -> dist.ProcessGroup | None:
+        """The process group over which every rank holds the same whole parameters (None: no such group): an
+        optimizer may share work over it (Muon's Newton-Schulz)."""
+        return None
+
     def build_optimizer(self) -> None:
         """Optimizer, LR scheduler and grad scaler over ``self.model``'s parameters (this rank's share)."""
-        self.optimizer = self.ctx.build_optimizer(self.model.named_parameters())
+        self.optimizer = self.ctx.build_optimizer(self.model.named_parameters(), replicated_over=self.replicas())
         self.scheduler = self.ctx.build_scheduler(self.optimizer)
         self.scaler = self.ctx.precision.grad_scaler(self.device)
         self._state_bytes: ModelStateBytes | None = None
@@ -279,7 +286,7 @@ class LocalBackwardStrategy:
             return as_tensor(self.spec.loss(self.model(batch.inputs), batch.targets)), batch.num_tokens
 
     def current_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return base_lr(self.optimizer)
 
     def model_state_bytes(self) -> ModelStateBytes:
         if self._state_bytes is None:

@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,6 +43,9 @@ class DDPStrategy(LocalBackwardStrategy):
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
         return nullcontext() if enabled else self.model.no_sync()
+
+    def replicas(self) -> dist.ProcessGroup | None:
+        return dist.group.WORLD  # every rank holds every parameter
 
     _with_comm_state = True  # whether checkpoints include the comm option's per-rank state
 

@@ -25,6 +25,7 @@ from distrain.checkpoint.data_only import load_tensors_and_values
 from distrain.data.sampler import Batch
 from distrain.faults import maybe_inject_fault
 from distrain.models.spec import spec_of
+from distrain.optim.groups import base_lr
 from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext
 from distrain.parallelism.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
 
@@ -210,7 +211,7 @@ class ZeroStrategy:
         return self.spec.loss(self.engine(batch.inputs), batch.targets), batch.num_tokens
 
     def current_lr(self) -> float:
-        return self.engine.get_lr()[0]
+        return base_lr(self.engine.optimizer)
 
     def _zero_optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return reachable_tensors(self.engine.optimizer, skip=(nn.Module,))

@@ -47,6 +47,15 @@ def test_llama_tiny_is_exact_under_a_layout_of_each_kind():
         assert float(diff) <= 1e-3 and abs(float(loss) - float(table["single"][1])) <= 1e-3, (name, loss, diff)
 
 
+def test_the_check_covers_the_configured_optimizer():
+    """Muon, a distributed optimizer, is checked like the model: its sharded Newton-Schulz against one process."""
+    done = check_model("model=llama_tiny", "optimizer=muon", "--layouts", "fsdp,zero1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = rows(done.stdout)
+    assert table["fsdp"][3] == "pass" and float(table["fsdp"][2]) <= 1e-3
+    assert table["zero1"][3].startswith("unsupported: optimizer='muon'")
+
+
 def readme_block(first_line: str) -> str:
     """The code block of the README or docs/ that starts with ``first_line`` (a file's name in a comment)."""
     for block in re.findall(r"```(?:python|yaml)\n(.*?)```", documentation(), flags=re.S):

@@ -19,7 +19,7 @@ from distrain.models.llama.spec import check_config as check_llama_config
 from distrain.models.llama.spec import check_init_from as check_llama_init_from
 from distrain.models.llama.spec import enable_context_parallel
 from distrain.models.moe.hf import from_hf, hf_config, to_hf
-from distrain.models.spec import ExpertParallelPlan, ModelSpec
+from distrain.models.spec import ExpertParallelPlan, ModelSpec, default_parameter_roles
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -144,6 +144,20 @@ def _sync_expert_gradients(model: nn.Module) -> None:
     sync_expert_gradients(model)
 
 
+def parameter_roles(model: nn.Module) -> dict[str, str]:
+    """The generic roles, with the stacked expert weights of every mixture-of-experts layer as ``expert``."""
+    from distrain.models.moe.expert_parallel import EXPERT_WEIGHTS
+    from distrain.models.moe.model import MoEFeedForward
+
+    experts = [
+        getattr(module, name)
+        for module in model.modules()
+        if isinstance(module, MoEFeedForward)
+        for name in EXPERT_WEIGHTS
+    ]
+    return default_parameter_roles(model, MOE_SPEC.after_blocks, experts)
+
+
 EXPERT_PLAN = ExpertParallelPlan(
     parallelize=_parallelize_experts,
     parameters=_expert_parameters,
@@ -167,4 +181,5 @@ MOE_SPEC = ModelSpec(
     hf_config=hf_config,
     context_parallel=enable_context_parallel,  # Llama's attention, so Llama's context parallelism
     expert_parallel=EXPERT_PLAN,
+    roles=parameter_roles,
 )

@@ -1,0 +1,68 @@
+"""Checks of the ``optimizer`` group and the ``scheduler`` block, before any rank starts."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from distrain.config_checks import ConfigError, at_least, check, positive
+from distrain.optim.groups import GroupRuleError, GroupRules, resolve
+from distrain.optim.schedule import decay_steps
+
+
+def rules_of(optimizer: DictConfig) -> GroupRules:
+    """The parameter-group rules of an ``optimizer`` config."""
+    return GroupRules(
+        weight_decay=optimizer.weight_decay,
+        no_decay=list(optimizer.get("no_decay") or ()),
+        lr_multipliers={str(rule): float(factor) for rule, factor in (optimizer.get("lr_multipliers") or {}).items()},
+        muon=list(optimizer.get("muon") or ()),
+    )
+
+
+def validate_schedule(cfg: DictConfig) -> None:
+    """The warm-up, the floor and, for wsd, a decay that starts after the warm-up."""
+    check(cfg, "scheduler.warmup_steps", at_least(0), "an integer >= 0")
+    check(cfg, "scheduler.min_lr_ratio", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+    if cfg.scheduler.decay != "wsd":
+        return
+    check(cfg, "scheduler.decay_fraction", lambda v: 0 < v <= 1, "a fraction in (0, 1] of trainer.max_steps")
+    total, warmup = cfg.trainer.max_steps, cfg.scheduler.warmup_steps
+    length = decay_steps(total, cfg.scheduler.decay_fraction)
+    if total - length < warmup:
+        raise ConfigError(
+            "scheduler.decay_fraction",
+            cfg.scheduler.decay_fraction,
+            f"at most {(total - warmup) / total:.3g}: the decay ({length} of trainer.max_steps={total} steps) would "
+            f"start inside the {warmup}-step warm-up",
+        )
+
+
+def validate_optimizer(cfg: DictConfig, model: object | None) -> list[str]:
+    """Refuse impossible optimizer settings in one line (ConfigError); return one warning line per rule that names
+    no parameter of ``model`` (the configured model on the meta device; None: rules not checked)."""
+    optimizer = cfg.optimizer
+    check(cfg, "optimizer.lr", positive, "a learning rate > 0")
+    check(cfg, "optimizer.weight_decay", at_least(0), "a number >= 0")
+    for rule, factor in (optimizer.get("lr_multipliers") or {}).items():
+        if not positive(factor):
+            raise ConfigError(f"optimizer.lr_multipliers.{rule}", factor, "a factor > 0 on the learning rate")
+    if "muon" in optimizer:
+        check(cfg, "optimizer.ns_steps", at_least(1), "an integer >= 1 (Newton-Schulz iterations; 5 is usual)")
+        check(cfg, "optimizer.bucket_mb", positive, "a size in MiB > 0")
+        if cfg.parallelism.name == "zero":
+            raise ConfigError(
+                "optimizer",
+                "muon",
+                "adamw or sgd with parallelism=zero (distrain's Muon runs under single, ddp, fsdp, hsdp, tensor, "
+                "pipeline and hybrid; DeepSpeed's own Muon is not wired in yet)",
+            )
+    validate_schedule(cfg)
+    if model is None:
+        return []
+    from distrain.models.spec import spec_of
+
+    try:
+        _, warnings = resolve(model, spec_of(model).parameter_roles(model), rules_of(optimizer))
+    except GroupRuleError as err:
+        raise ConfigError(err.key, err.rule, err.allowed) from None
+    return warnings

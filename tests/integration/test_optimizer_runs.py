@@ -1,0 +1,51 @@
+"""train.py with Muon under FSDP learns and prints its parameter groups; impossible optimizer settings end in one
+line before any rank starts."""
+
+import json
+
+import pytest
+from helpers import FAST, run_train
+
+pytestmark = pytest.mark.integration
+
+
+def test_muon_under_fsdp_learns_and_prints_its_groups(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(
+        [*FAST, "model=llama_tiny", "optimizer=muon", "parallelism=fsdp", "trainer.max_steps=30",
+         "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"],
+        tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    output = result.stdout + result.stderr
+    assert "parameter groups (muon):" in output and "muon, decay  matrix" in output
+    groups = {g["group"]: g for g in json.loads((run_dir / "param_groups.json").read_text())}
+    assert groups["muon, decay"]["rules"] == ["matrix"] and groups["no_decay"]["rules"] == ["norm"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < losses[0] - 1.0
+
+
+# Globs take characters Hydra's command-line keys do not (*): they come in a YAML file, here a user's own option.
+TWO_GLOBS = """defaults:
+  - adamw
+  - _self_
+lr_multipliers:
+  "blocks.*": 2.0
+  "*.weight": 3.0
+"""
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["optimizer=muon", "parallelism=zero"], "optimizer='muon' is not allowed: adamw or sgd with parallelism=zero"),
+        (["optimizer=two_globs"], "'*.weight' is not allowed: parameter blocks.0.attn_norm.weight is also named by"),
+    ],
+)
+def test_impossible_optimizer_settings_are_one_line(tmp_path, overrides, line):
+    (tmp_path / "my_conf" / "optimizer").mkdir(parents=True)
+    (tmp_path / "my_conf" / "optimizer" / "two_globs.yaml").write_text(TWO_GLOBS)
+    result = run_train(["--config-dir", str(tmp_path / "my_conf"), *FAST, *overrides], tmp_path)
+    assert result.returncode != 0
+    assert line in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
