@@ -121,11 +121,12 @@ class LogWindow:
         return record | {name: value for name, value in model_metrics.items() if name not in record}
 
     def _model_metrics(self) -> dict[str, float]:
-        """The model's own step metrics (``ModelSpec.metrics``, e.g. tokens per expert), averaged over the window's
-        steps. This rank's values, not gathered: they describe the routing of the batches this rank saw."""
+        """The model's own step metrics (``ModelSpec.metrics``, e.g. tokens per expert) and the optimizer's
+        (``optimizer_bytes_sent``), averaged over the window's steps. This rank's values, not gathered: they
+        describe the batches this rank saw and the collectives it ran."""
         sums: dict[str, float] = {}
         for marks in self.marks:
-            for name, value in marks.get("model_metrics", {}).items():
+            for name, value in (marks.get("model_metrics", {}) | marks.get("optimizer_metrics", {})).items():
                 sums[name] = sums.get(name, 0.0) + float(value) / self.steps
         return sums
 

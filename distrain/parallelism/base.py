@@ -171,6 +171,16 @@ def clip_grad_norm_across_meshes(parameters: Iterable[nn.Parameter], max_norm: f
     return total
 
 
+def optimizer_metrics(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """What an optimizer that communicates (Muon) sent in its last step: ``optimizer_bytes_sent``, this rank's
+    bytes (the counter is reset); empty for optimizers without collectives."""
+    sent = getattr(optimizer, "bytes_sent", None)
+    if sent is None:
+        return {}
+    optimizer.bytes_sent = 0
+    return {"optimizer_bytes_sent": float(sent)}
+
+
 def scale_to_norm(grads: Sequence[torch.Tensor], squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Clip ``grads`` in place to a global L2 norm of ``max_norm`` (0: no clipping) given their summed squared norm
     over every rank's share; returns the norm before clipping."""
@@ -269,6 +279,7 @@ class LocalBackwardStrategy:
         self.scheduler.step()
         self.updating = False
         self._marks["optimizer_done"] = self.ctx.clock.mark()
+        self._marks["optimizer_metrics"] = optimizer_metrics(self.optimizer)
         return StepResult(loss=loss_sum / total_tokens, grad_norm=grad_norm, skipped=skipped, marks=self._marks)
 
     def clip_gradients(self) -> torch.Tensor:

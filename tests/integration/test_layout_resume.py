@@ -1,6 +1,6 @@
 """A checkpoint saved under one layout resumes under another with the model, optimizer and data position intact:
 the resumed steps give the losses of continuing under the first layout (fsdp on 4 ranks -> hsdp 2 x 2; tensor
-tp=2 -> ddp on 2 ranks, with one global batch across the two)."""
+tp=2 -> ddp on 2 ranks, with one global batch across the two; Muon under fsdp -> ddp)."""
 
 import json
 
@@ -18,6 +18,10 @@ CHANGES = {  # name -> (first layout, second layout)
     "tp2_to_ddp2": (
         ["parallelism=tensor", "data.global_batch_size=8", "distributed.nproc_per_node=2"],
         ["parallelism=ddp", "data.global_batch_size=8", "distributed.nproc_per_node=2"],
+    ),
+    "muon_fsdp2_to_ddp2": (  # Muon's momentum, sharded under FSDP, whole under DDP
+        ["optimizer=muon", "parallelism=fsdp", "distributed.nproc_per_node=2"],
+        ["optimizer=muon", "parallelism=ddp", "distributed.nproc_per_node=2"],
     ),
 }
 

@@ -4,18 +4,18 @@ line before any rank starts."""
 import json
 
 import pytest
-from helpers import FAST, run_train
+from helpers import FAST, compose_config, run_train
+from hydra.utils import instantiate
+
+from distrain.models.spec import spec_of
 
 pytestmark = pytest.mark.integration
 
 
-def test_muon_under_fsdp_learns_and_prints_its_groups(tmp_path):
+def test_muon_under_fsdp_learns_prints_its_groups_and_sends_each_shard_twice(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_train(
-        [*FAST, "model=llama_tiny", "optimizer=muon", "parallelism=fsdp", "trainer.max_steps=30",
-         "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"],
-        tmp_path,
-    )  # fmt: skip
+    overrides = [*FAST, "model=llama_tiny", "optimizer=muon", "parallelism=fsdp", "trainer.max_steps=30"]
+    result = run_train([*overrides, "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     output = result.stdout + result.stderr
     assert "parameter groups (muon):" in output and "muon, decay  matrix" in output
@@ -24,6 +24,11 @@ def test_muon_under_fsdp_learns_and_prints_its_groups(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < losses[0] - 1.0
+    # On 2 ranks each matrix's other half travels once to its owner and once back: half of every matrix per rank.
+    model = instantiate(compose_config(overrides).model)
+    roles = spec_of(model).parameter_roles(model)
+    matrix_elements = sum(p.numel() for name, p in model.named_parameters() if roles[name] == "matrix")
+    assert {r["optimizer_bytes_sent"] for r in records if "loss" in r} == {4 * matrix_elements / 2}
 
 
 # Globs take characters Hydra's command-line keys do not (*): they come in a YAML file, here a user's own option.
