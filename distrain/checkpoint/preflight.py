@@ -102,9 +102,9 @@ def describe_pipeline(parallelism: DictConfig, world_size: int) -> str:
 
 
 def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
-    """Refuse to resume ``checkpoint`` on ``world_size`` ranks with a different model, optimizer or checkpoint
-    format (DeepSpeed's own for zero, DCP's for the others) than the one it was saved with (its ``config.yaml``),
-    or with another split into pipeline stages."""
+    """Refuse to resume ``checkpoint`` on ``world_size`` ranks with a different model, optimizer (or parameter
+    group rules) or checkpoint format (DeepSpeed's own for zero, DCP's for the others) than the one it was saved with
+    (its ``config.yaml``), or with another split into pipeline stages."""
     saved_file = checkpoint / "config.yaml"
     if not saved_file.is_file():
         return
@@ -117,6 +117,16 @@ def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
     if saved.optimizer._target_ != cfg.optimizer._target_:
         saved_name = saved.optimizer._target_.rsplit(".", 1)[1]
         raise ConfigError("optimizer", cfg.optimizer._target_.rsplit(".", 1)[1], f"{saved_name} {where}")
+    for key in ("no_decay", "lr_multipliers", "muon"):  # they make the parameter groups the state is saved by
+        ours = OmegaConf.to_container(cfg.optimizer[key]) if key in cfg.optimizer else None
+        theirs = OmegaConf.to_container(saved.optimizer[key]) if key in saved.optimizer else None
+        if theirs is not None and ours != theirs:
+            raise ConfigError(
+                f"optimizer.{key}",
+                ours,
+                f"{theirs} {where}: the optimizer's state and learning rates are saved by "
+                "parameter group, so a resumed run keeps the groups (start a new run to change them)",
+            )
     if (saved.parallelism.name == "zero") != (cfg.parallelism.name == "zero"):
         formats = "DeepSpeed's format (parallelism=zero)" if saved.parallelism.name == "zero" else "DCP's format"
         raise ConfigError("parallelism", cfg.parallelism.name, f"a strategy that reads {formats}, {where}")

@@ -27,13 +27,17 @@ def validate_schedule(cfg: DictConfig) -> None:
         return
     check(cfg, "scheduler.decay_fraction", lambda v: 0 < v <= 1, "a fraction in (0, 1] of trainer.max_steps")
     total, warmup = cfg.trainer.max_steps, cfg.scheduler.warmup_steps
+    if warmup >= total:
+        raise ConfigError(
+            "scheduler.warmup_steps", warmup, f"fewer than trainer.max_steps ({total}) with scheduler.decay=wsd"
+        )
     length = decay_steps(total, cfg.scheduler.decay_fraction)
     if total - length < warmup:
         raise ConfigError(
             "scheduler.decay_fraction",
             cfg.scheduler.decay_fraction,
-            f"at most {(total - warmup) / total:.3g}: the decay ({length} of trainer.max_steps={total} steps) would "
-            f"start inside the {warmup}-step warm-up",
+            f"a fraction whose decay fits after the {warmup}-step warm-up: round(fraction x {total}) = {length} decay "
+            f"steps, at most {total - warmup} fit",
         )
 
 

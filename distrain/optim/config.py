@@ -59,7 +59,7 @@ class MuonConfig(AdamWConfig):
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5  # Newton-Schulz iterations
-    bucket_mb: float = 32.0  # sharded matrices gathered to their owner rank in buckets of about this size
+    bucket_mb: float = 32.0  # matrices are exchanged in buckets of about this many MiB per rank
 
 
 @dataclass(kw_only=True)

@@ -69,9 +69,11 @@ class GroupRules:
 
 @dataclass(frozen=True)
 class GroupKey:
-    """The settings a parameter's group has; parameters with equal keys share a torch parameter group."""
+    """What a parameter's group is; parameters with equal keys share a torch parameter group. Whether a group
+    decays, not the decay's value, tells groups apart: a checkpoint's groups stay the same when
+    ``optimizer.weight_decay`` changes (or is 0)."""
 
-    weight_decay: float
+    decays: bool
     lr_rule: str | None  # the lr_multipliers rule that matched (None: none did)
     lr_multiplier: float
     muon: bool
@@ -79,7 +81,7 @@ class GroupKey:
     @property
     def label(self) -> str:
         parts = ["muon"] if self.muon else []
-        parts.append("decay" if self.weight_decay > 0 else "no_decay")
+        parts.append("decay" if self.decays else "no_decay")
         if self.lr_rule is not None:
             parts.append(f"lr x{self.lr_multiplier:g} ({self.lr_rule})")
         return ", ".join(parts)
@@ -121,7 +123,7 @@ def group_key(name: str, role: str, ndim: int, rules: GroupRules) -> GroupKey:
     lr_rule = lr_rule_of(name, role, rules)
     multiplier = float(rules.lr_multipliers[lr_rule]) if lr_rule else 1.0
     return GroupKey(
-        weight_decay=0.0 if any(matches(rule, name, role) for rule in rules.no_decay) else rules.weight_decay,
+        decays=not any(matches(rule, name, role) for rule in rules.no_decay),
         lr_rule=lr_rule if multiplier != 1.0 else None,
         lr_multiplier=multiplier,
         muon=muon,
@@ -140,25 +142,21 @@ def param_groups(
     named_parameters: Iterable[tuple[str, nn.Parameter]], roles: Mapping[str, str], rules: GroupRules, lr: float
 ) -> list[dict[str, Any]]:
     """torch parameter groups for this rank's trainable parameters: one per ``GroupKey``, in order of first use,
-    each with its ``weight_decay``, ``lr`` (``lr * lr_multiplier``), ``lr_multiplier``, ``use_muon`` and ``group``
-    (the label). Frozen parameters are left out."""
+    each with its ``weight_decay`` and ``lr`` (``lr * lr_multiplier``), plus ``lr_multiplier`` where it is not 1 and
+    ``use_muon`` where Muon updates the group. Keys are added only where needed, so a checkpoint of the earlier
+    fixed groups (matrices decay, vectors do not) still loads. Frozen parameters are left out."""
     groups: dict[GroupKey, dict[str, Any]] = {}
     for name, param in named_parameters:
         if not param.requires_grad:
             continue
         key = group_key(canonical_name(name), role_of(name, roles), param.dim(), rules)
-        group = groups.setdefault(
-            key,
-            {
-                "params": [],
-                "weight_decay": key.weight_decay,
-                "lr": lr * key.lr_multiplier,
-                "lr_multiplier": key.lr_multiplier,
-                "use_muon": key.muon,
-                "group": key.label,
-            },
-        )
-        group["params"].append(param)
+        if key not in groups:
+            groups[key] = {"params": [], "weight_decay": rules.weight_decay if key.decays else 0.0}
+            if key.lr_multiplier != 1.0:
+                groups[key] |= {"lr": lr * key.lr_multiplier, "lr_multiplier": key.lr_multiplier}
+            if key.muon:
+                groups[key]["use_muon"] = True
+        groups[key]["params"].append(param)
     return list(groups.values())
 
 

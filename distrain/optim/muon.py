@@ -136,6 +136,7 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._bind_adamw()
+        self.bytes_sent = 0  # the state-initialising step a checkpoint load runs is no training step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -163,13 +164,17 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------ where the work runs
     def _orthogonalize(self, updates: list[Tensor]) -> list[Tensor]:
-        """The orthogonalised ``updates``, each in its own layout (plain, or a DTensor with its placements)."""
+        """The orthogonalised ``updates``, each in its own layout (plain, or a DTensor with its placements). The
+        path of each is decided from its type and placements alone, which every rank holding it shares, so all
+        ranks run the same collectives; a path's buckets hold one dtype."""
         results: list[Tensor | None] = [None] * len(updates)
-        replicated, owned = [], {}
+        replicated: dict[torch.dtype, list[int]] = {}
+        owned: dict[tuple[Any, int, torch.dtype], list[int]] = {}
+        share_work = self.replicated_over is not None and dist.get_world_size(self.replicated_over) > 1
         for index, update in enumerate(updates):
             if not isinstance(update, DTensor):
-                if self.replicated_over is not None and dist.get_world_size(self.replicated_over) > 1:
-                    replicated.append(index)
+                if share_work:
+                    replicated.setdefault(update.dtype, []).append(index)
                 else:
                     results[index] = orthogonalize(update, self.ns_steps)
                 continue
@@ -180,38 +185,41 @@ class Muon(torch.optim.Optimizer):
                     local, update.device_mesh, update.placements, run_check=False, shape=update.shape,
                     stride=update.stride(),
                 )  # fmt: skip
-            elif len(sharded) == 1 and type(sharded[0][1]) is Shard and self._owner_path_fits(update, *sharded[0]):
-                owned.setdefault((update.device_mesh, sharded[0][0]), []).append(index)
+            elif len(sharded) == 1 and type(sharded[0][1]) is Shard:
+                owned.setdefault((update.device_mesh, sharded[0][0], update.dtype), []).append(index)
             else:
                 full = orthogonalize(update.full_tensor(), self.ns_steps)
                 results[index] = distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
                 self.bytes_sent += update.to_local().numel() * update.element_size()  # a lower bound (ring)
-        if replicated:
-            for index, result in zip(replicated, self._share_replicated([updates[i] for i in replicated]), strict=True):
+        for indices in replicated.values():
+            for index, result in zip(indices, self._share_replicated([updates[i] for i in indices]), strict=True):
                 results[index] = result
-        for (mesh, mesh_dim), indices in owned.items():
+        for (mesh, mesh_dim, _), indices in owned.items():
             for index, result in zip(indices, self._owner_exchange(updates, indices, mesh, mesh_dim), strict=True):
                 results[index] = result
         return results  # type: ignore[return-value]
 
-    @staticmethod
-    def _owner_path_fits(update: DTensor, mesh_dim: int, placement: Shard) -> bool:
-        """Whether this rank's shard has the shape ``chunk_sizes`` predicts (else the full-gather path is used)."""
-        ranks = update.device_mesh.size(mesh_dim)
-        expected = chunk_sizes(update.shape[placement.dim], ranks)[update.device_mesh.get_local_rank(mesh_dim)]
-        return placement.dim >= update.ndim - 2 and update.to_local().shape[placement.dim] == expected
+    def _bucketed_owners(
+        self, sizes: Sequence[int], element_size: int, ranks: int
+    ) -> tuple[list[list[int]], list[int]]:
+        """Buckets of consecutive items, each about ``bucket_bytes`` per rank, and an owner per item balanced
+        within its bucket (so a bucket's work, and an all_gather's padding, is even over the ranks)."""
+        runs = buckets(range(len(sizes)), lambda i: sizes[i] * element_size, self.bucket_bytes * ranks)
+        owners = [0] * len(sizes)
+        for run in runs:
+            for index, owner in zip(run, balanced_owners([sizes[i] for i in run], ranks), strict=True):
+                owners[index] = owner
+        return runs, owners
 
     def _share_replicated(self, updates: list[Tensor]) -> list[Tensor]:
         """Each rank of ``replicated_over`` orthogonalises its share; per bucket one ``all_gather`` (async) of the
-        results, padded to the largest share, gives every rank all of them."""
+        results, padded to the largest share of the bucket, gives every rank all of them."""
         group = self.replicated_over
         ranks, me = dist.get_world_size(group), dist.get_rank(group)
-        owners = balanced_owners([u.numel() for u in updates], ranks)
+        runs, owners = self._bucketed_owners([u.numel() for u in updates], updates[0].element_size(), ranks)
         results: list[Tensor | None] = [None] * len(updates)
         pending = []
-        for run in buckets(
-            range(len(updates)), lambda i: updates[i].numel() * updates[i].element_size(), self.bucket_bytes
-        ):
+        for run in runs:
             per_rank = [[i for i in run if owners[i] == rank] for rank in range(ranks)]
             width = max(sum(updates[i].numel() for i in share) for share in per_rank)
             mine = [orthogonalize(updates[i], self.ns_steps).flatten() for i in per_rank[me]]
@@ -237,8 +245,14 @@ class Muon(torch.optim.Optimizer):
         group, ranks, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
         items = [updates[i] for i in indices]
         dims = [u.placements[mesh_dim].dim for u in items]
-        owners = balanced_owners([u.numel() for u in items], ranks)
+        runs, owners = self._bucketed_owners([u.numel() for u in items], items[0].element_size(), ranks)
         splits = [chunk_sizes(u.shape[d], ranks) for u, d in zip(items, dims, strict=True)]
+        for u, d, split in zip(items, dims, splits, strict=True):
+            if u.to_local().shape[d] != split[me]:  # not torch.chunk's split (a hand-made DTensor): say so
+                raise ValueError(
+                    f"Muon: a shard of {tuple(u.shape)} has {u.to_local().shape[d]} rows on dim {d}, "
+                    f"not Shard's {split[me]}; build sharded parameters with FSDP2, TP or distribute_tensor"
+                )
 
         def shard_shape(k: int, rank: int) -> list[int]:
             shape = list(items[k].shape)
@@ -249,7 +263,7 @@ class Muon(torch.optim.Optimizer):
             return math.prod(shard_shape(k, rank))
 
         gathers = []
-        for run in buckets(range(len(items)), lambda k: items[k].numel() * items[k].element_size(), self.bucket_bytes):
+        for run in runs:
             order = [k for rank in range(ranks) for k in run if owners[k] == rank]  # grouped by destination
             send = torch.cat([items[k].to_local().flatten() for k in order])
             input_splits = [sum(shard_numel(k, me) for k in run if owners[k] == rank) for rank in range(ranks)]

@@ -188,7 +188,7 @@ KEYS = {
     "scheduler.decay": (compose("scheduler.decay=exp"), "[cosine, linear, constant, wsd]"),
     "scheduler.decay_fraction": (
         check("scheduler.decay=wsd", "scheduler.decay_fraction=0.95"),
-        "inside the 20-step warm-up",
+        "fits after the 20-step warm-up",
     ),
     "scheduler.decay_shape": (compose("scheduler.decay_shape=exp"), "[linear, cosine, 1-sqrt]"),
     "scheduler.min_lr_ratio": (check("scheduler.min_lr_ratio=2"), "[0, 1]"),

@@ -85,9 +85,10 @@ def test_groups_follow_the_rules_and_the_table_counts_every_parameter():
     assert by_group["decay, lr x0.5 (head)"].names == ["output.weight"]
     assert sum(s.parameters for s in summaries) == sum(p.numel() for p in model.parameters())
     groups = param_groups(model.named_parameters(), roles, rules_of(cfg.optimizer), lr=0.01)
-    head = next(g for g in groups if g["lr_multiplier"] == 0.5)
-    assert head["lr"] == 0.005 and head["weight_decay"] == 0.1
-    assert next(g for g in groups if g["group"] == "no_decay")["weight_decay"] == 0.0
+    head = next(g for g in groups if g.get("lr_multiplier") == 0.5)
+    assert head["lr"] == 0.005 and head["weight_decay"] == 0.1 and head["params"] == [model.output.weight]
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.1, 0.1]  # embedding first (no_decay), matrices, head
+    assert all("lr" not in g for g in groups if g is not head)  # the optimizer's own lr: no key old checkpoints lack
 
 
 def test_a_glob_wins_over_a_role_and_two_globs_on_one_parameter_are_refused():
@@ -141,3 +142,28 @@ def test_work_is_balanced_and_shards_split_like_dtensor():
     assert chunk_sizes(5, 2) == [3, 2] and chunk_sizes(2, 4) == [1, 1, 0, 0]
     assert buckets([0, 1, 2, 3], lambda i: 10, limit=25) == [[0, 1], [2, 3]]
     assert buckets([0], lambda i: 100, limit=25) == [[0]]
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("optimizer.lr_multipliers.head=0.5", "optimizer.lr_multipliers"),
+        ("optimizer.no_decay=[norm,bias,embedding]", "optimizer.no_decay"),
+    ],
+)
+def test_resuming_with_other_group_rules_is_refused_in_one_line(tmp_path, override, key):
+    """The optimizer state is saved by parameter group: other rules would not load (or load the old rates)."""
+    from omegaconf import OmegaConf
+
+    from distrain.checkpoint.preflight import check_resumable
+    from distrain.config_checks import ConfigError
+
+    saved = compose_config(["model=llama_tiny"])
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    check_resumable(saved, tmp_path, world_size=2)  # the same rules resume
+    with pytest.raises(ConfigError) as refused:
+        check_resumable(compose_config(["model=llama_tiny", override]), tmp_path, world_size=2)
+    assert refused.value.key == key and "a resumed run keeps the groups" in str(refused.value)

@@ -19,7 +19,7 @@ from torch import nn
 
 from distrain.config_checks import ConfigError, check
 from distrain.errors import first_line
-from distrain.models.spec import ConfigProblem, ModelSpec, matmul_flops_per_token
+from distrain.models.spec import ConfigProblem, ModelSpec, default_parameter_roles, matmul_flops_per_token
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
 ROOT = "hf"  # the wrapper's child holding a transformers model wrapped whole
@@ -205,7 +205,20 @@ def whole_spec(model: nn.Module) -> ModelSpec:
         to_hf=to_hf,
         from_hf=from_hf,
         hf_config=hf_config,
+        roles=whole_model_roles,
     )
+
+
+def whole_model_roles(wrapper: nn.Module) -> dict[str, str]:
+    """The generic roles, with the matrix of the transformers model's output embeddings (its LM head) as ``head``
+    (a head tied to the input embedding stays ``embedding``): the wrapper names no ``after_blocks`` to find it by."""
+    roles = default_parameter_roles(wrapper, ())
+    head = wrapper.get_submodule(ROOT).get_output_embeddings()
+    head_ids = {id(param) for param in head.parameters()} if head is not None else set()
+    for name, param in wrapper.named_parameters():
+        if id(param) in head_ids and roles[name] == "matrix":
+            roles[name] = "head"
+    return roles
 
 
 def tensor_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, object]:
