@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -94,6 +94,26 @@ def _emergency_checkpoint(
         log.error("emergency checkpoint after a failure on rank %s: %s", verdict.failed_rank, path)
 
 
+@dataclass
+class _Loop:
+    """What one run's steps work with: its components, and the totals the summary reports."""
+
+    strategy: Strategy
+    data: TrainBatches
+    val_batches: list[Batch]
+    state: TrainState
+    settings: TrainerConfig
+    reporter: RunReporter
+    checkpointer: Checkpointer
+    agreement: StepAgreement
+    window: LogWindow
+    profiler: StepProfiler
+    device: torch.device
+    skipped_steps: int = 0
+    logged_losses: list[float] = field(default_factory=list)
+    val_loss: float = float("nan")
+
+
 def train(
     *,
     strategy: Strategy,
@@ -116,106 +136,120 @@ def train(
     healthy ranks). Returns the summary (rank 0's is written to summary.json).
     """
     started, started_at = time.perf_counter(), time.time()
+    loop = _Loop(
+        strategy=strategy, data=data, val_batches=val_batches, state=state, settings=settings, reporter=reporter,
+        checkpointer=checkpointer, agreement=agreement, window=window, profiler=profiler, device=device,
+    )  # fmt: skip
     window.restart()
-    tokens_per_step = window.tokens_per_step
-    skipped_steps = 0
-    logged_losses: list[float] = []
-    val_loss = float("nan")
     while state.step < settings.max_steps:
         boundary = _Boundary(state.step, state.tokens_seen, data.state_dict(), rng_state())
         failure: Exception | None = None
         try:
-            marks = {"step_start": window.clock.mark()}
-            micro_batches = data.next_step()
-            marks["data_ready"] = window.clock.mark()
-            maybe_inject_delay(dist.get_rank())
-            result = strategy.train_step(micro_batches)
-            skipped_steps += result.skipped
-            if result.skipped:
-                log.warning("step %d: non-finite gradient norm, update skipped", state.step + 1)
-            state.step += 1
-            state.tokens_seen += tokens_per_step
-            window.add(result.loss, result.grad_norm, marks | result.marks)
-            profiler.step()
-            final = state.step == settings.max_steps
-            record: dict[str, Any] = {"step": state.step}
-            if state.step % settings.log_every == 0 or final:
-                record |= window.close() | {
-                    "lr": strategy.current_lr(),
-                    "tokens_seen": state.tokens_seen,
-                }
-                if not logged_losses:
-                    record["model_state_bytes"] = strategy.model_state_bytes().total
-                logged_losses.append(record["loss"])
-            paused = time.perf_counter()
-            if (settings.eval_every > 0 and state.step % settings.eval_every == 0) or final:
-                val_loss = record["val_loss"] = evaluate(strategy, val_batches, device)
-            if checkpointer.due(state.step, final=final):
-                checkpointer.save(state.step, strategy, loop_state(state, data), blocking=final)
-            window.exclude(time.perf_counter() - paused)  # evaluation and checkpoints stay out of throughput
-            if len(record) > 1:
-                reporter.log(record)
-            else:
-                reporter.advance(state.step)
-            maybe_inject_fault(dist.get_rank(), state.step)
+            _step(loop)
         except Exception as err:  # noqa: BLE001 - any failure goes through the agreement below, then is re-raised
             failure = err
             log.error("step %d failed on this rank: %r", boundary.step + 1, err)
-        # No emergency checkpoint from a half-applied update, nor onto a disk that just proved full.
-        consistent = failure is None or not (strategy.updating or isinstance(failure, CheckpointSpaceError))
-        if failure is not None and state.step == boundary.step:  # the step never completed: undo its data and RNG
-            data.load_state_dict(boundary.data)
-            set_rng_state(boundary.rng)
-        if failure is not None and is_peer_failure(failure):
-            log.error("no emergency checkpoint: another rank is gone")
-            raise failure
-        try:
-            verdict = agreement.agree(
-                step=state.step,
-                failed=failure is not None,
-                consistent=consistent,
-                async_save_written=checkpointer.async_save_written(),
-                failed_waiting=failure is not None and is_collective_timeout(failure),
-            )
-        except AgreementTimeout as timeout:  # raised on failed ranks only
-            log.error("no emergency checkpoint: %s", timeout)
-            raise failure from timeout
-        if verdict.failed_rank is not None:
-            if checkpointer.emergency:
-                _emergency_checkpoint(
-                    verdict=verdict,
-                    checkpointer=checkpointer,
-                    strategy=strategy,
-                    extra=loop_state(state, data),
-                )
-            if failure is not None:
-                raise failure
-            raise PeerFailedError(f"rank {verdict.failed_rank} failed after step {verdict.step}")
-        if verdict.async_save_written:
-            checkpointer.wait_and_finalize()
-        if verdict.stop:
-            if window.steps:
-                reporter.log({"step": state.step, **window.close(), "lr": strategy.current_lr()})
-            if checkpointer.last_saved_step != state.step:
-                checkpointer.save(state.step, strategy, loop_state(state, data))
-            log.warning(
-                "stopping at step %d on %s; checkpoint saved in %s",
-                state.step,
-                agreement.stop.signal_name,
-                checkpointer.dir,
-            )
+        if _settle(loop, boundary, failure):
             break
     checkpointer.wait_and_finalize()
+    return _summary(loop, started, started_at)
+
+
+def _step(loop: _Loop) -> None:
+    """One optimizer step, then what falls due after it: logging, evaluation, a checkpoint."""
+    state, settings, window, strategy = loop.state, loop.settings, loop.window, loop.strategy
+    marks = {"step_start": window.clock.mark()}
+    micro_batches = loop.data.next_step()
+    marks["data_ready"] = window.clock.mark()
+    maybe_inject_delay(dist.get_rank())
+    result = strategy.train_step(micro_batches)
+    loop.skipped_steps += result.skipped
+    if result.skipped:
+        log.warning("step %d: non-finite gradient norm, update skipped", state.step + 1)
+    state.step += 1
+    state.tokens_seen += window.tokens_per_step
+    window.add(result.loss, result.grad_norm, marks | result.marks)
+    loop.profiler.step()
+    final = state.step == settings.max_steps
+    record: dict[str, Any] = {"step": state.step}
+    if state.step % settings.log_every == 0 or final:
+        record |= window.close() | {"lr": strategy.current_lr(), "tokens_seen": state.tokens_seen}
+        if not loop.logged_losses:
+            record["model_state_bytes"] = strategy.model_state_bytes().total
+        loop.logged_losses.append(record["loss"])
+    paused = time.perf_counter()
+    if (settings.eval_every > 0 and state.step % settings.eval_every == 0) or final:
+        loop.val_loss = record["val_loss"] = evaluate(strategy, loop.val_batches, loop.device)
+    if loop.checkpointer.due(state.step, final=final):
+        loop.checkpointer.save(state.step, strategy, loop_state(state, loop.data), blocking=final)
+    window.exclude(time.perf_counter() - paused)  # evaluation and checkpoints stay out of throughput
+    if len(record) > 1:
+        loop.reporter.log(record)
+    else:
+        loop.reporter.advance(state.step)
+    maybe_inject_fault(dist.get_rank(), state.step)
+
+
+def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool:
+    """The end-of-step agreement: raise this rank's failure or a peer's (after an emergency checkpoint when every
+    rank is consistent), finalize an asynchronous save, and return True when a stop signal ends the run here."""
+    state, strategy, checkpointer = loop.state, loop.strategy, loop.checkpointer
+    # No emergency checkpoint from a half-applied update, nor onto a disk that just proved full.
+    consistent = failure is None or not (strategy.updating or isinstance(failure, CheckpointSpaceError))
+    if failure is not None and state.step == boundary.step:  # the step never completed: undo its data and RNG
+        loop.data.load_state_dict(boundary.data)
+        set_rng_state(boundary.rng)
+    if failure is not None and is_peer_failure(failure):
+        log.error("no emergency checkpoint: another rank is gone")
+        raise failure
+    try:
+        verdict = loop.agreement.agree(
+            step=state.step,
+            failed=failure is not None,
+            consistent=consistent,
+            async_save_written=checkpointer.async_save_written(),
+            failed_waiting=failure is not None and is_collective_timeout(failure),
+        )
+    except AgreementTimeout as timeout:  # raised on failed ranks only
+        log.error("no emergency checkpoint: %s", timeout)
+        raise failure from timeout
+    if verdict.failed_rank is not None:
+        if checkpointer.emergency:
+            extra = loop_state(state, loop.data)
+            _emergency_checkpoint(verdict=verdict, checkpointer=checkpointer, strategy=strategy, extra=extra)
+        if failure is not None:
+            raise failure
+        raise PeerFailedError(f"rank {verdict.failed_rank} failed after step {verdict.step}")
+    if verdict.async_save_written:
+        checkpointer.wait_and_finalize()
+    if not verdict.stop:
+        return False
+    if loop.window.steps:
+        loop.reporter.log({"step": state.step, **loop.window.close(), "lr": strategy.current_lr()})
+    if checkpointer.last_saved_step != state.step:
+        checkpointer.save(state.step, strategy, loop_state(state, loop.data))
+    log.warning(
+        "stopping at step %d on %s; checkpoint saved in %s",
+        state.step,
+        loop.agreement.stop.signal_name,
+        checkpointer.dir,
+    )
+    return True
+
+
+def _summary(loop: _Loop, started: float, started_at: float) -> dict[str, Any]:
+    """The run's summary on every rank. Collective: one all_gather of each rank's peak memory and model state."""
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (peak_memory_bytes(device), strategy.model_state_bytes().as_dict()))
+    dist.all_gather_object(per_rank, (peak_memory_bytes(loop.device), loop.strategy.model_state_bytes().as_dict()))
+    stop = loop.agreement.stop
     return {
-        "steps": state.step,
-        "stopped_by": agreement.stop.signal_name if agreement.stop is not None else None,
-        "skipped_steps": skipped_steps,
-        "first_logged_loss": logged_losses[0] if logged_losses else None,
-        "final_train_loss": logged_losses[-1] if logged_losses else None,
-        "final_val_loss": val_loss,
-        "tokens_seen": state.tokens_seen,
+        "steps": loop.state.step,
+        "stopped_by": stop.signal_name if stop is not None else None,
+        "skipped_steps": loop.skipped_steps,
+        "first_logged_loss": loop.logged_losses[0] if loop.logged_losses else None,
+        "final_train_loss": loop.logged_losses[-1] if loop.logged_losses else None,
+        "final_val_loss": loop.val_loss,
+        "tokens_seen": loop.state.tokens_seen,
         "wall_time_s": time.perf_counter() - started,
         "loop_started_at": started_at,  # Unix time: start-up ends here (benchmarks/peers.py)
         "peak_memory_bytes_per_rank": [peak for peak, _ in per_rank],
