@@ -101,6 +101,18 @@ def describe_pipeline(parallelism: DictConfig, world_size: int) -> str:
     return f"parallelism={parallelism.name} with {pp} pipeline stages{per_rank}{at} on {world_size} ranks"
 
 
+def group_rule(optimizer: DictConfig, key: str) -> object:
+    """An optimizer's group rules under ``key`` in a form that compares by meaning: rule lists as sorted lists,
+    learning-rate multipliers without the factors of 1 (no rule); None when the config has no such key (a
+    checkpoint from before the rules)."""
+    if key not in optimizer:
+        return None
+    value = OmegaConf.to_container(optimizer[key])
+    if key == "lr_multipliers":
+        return {rule: float(factor) for rule, factor in value.items() if float(factor) != 1.0}
+    return sorted(value)
+
+
 def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
     """Refuse to resume ``checkpoint`` on ``world_size`` ranks with a different model, optimizer (or parameter
     group rules) or checkpoint format (DeepSpeed's own for zero, DCP's for the others) than the one it was saved with
@@ -118,8 +130,7 @@ def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
         saved_name = saved.optimizer._target_.rsplit(".", 1)[1]
         raise ConfigError("optimizer", cfg.optimizer._target_.rsplit(".", 1)[1], f"{saved_name} {where}")
     for key in ("no_decay", "lr_multipliers", "muon"):  # they make the parameter groups the state is saved by
-        ours = OmegaConf.to_container(cfg.optimizer[key]) if key in cfg.optimizer else None
-        theirs = OmegaConf.to_container(saved.optimizer[key]) if key in saved.optimizer else None
+        ours, theirs = group_rule(cfg.optimizer, key), group_rule(saved.optimizer, key)
         if theirs is not None and ours != theirs:
             raise ConfigError(
                 f"optimizer.{key}",

@@ -53,6 +53,13 @@ def validate_optimizer(cfg: DictConfig, model: object | None) -> list[str]:
     if "muon" in optimizer:
         check(cfg, "optimizer.ns_steps", at_least(1), "an integer >= 1 (Newton-Schulz iterations; 5 is usual)")
         check(cfg, "optimizer.bucket_mb", positive, "a size in MiB > 0")
+        if cfg.parallelism.get("cpu_offload"):
+            raise ConfigError(
+                "parallelism.cpu_offload",
+                True,
+                "false with optimizer=muon (Muon gathers its sharded matrices over the device's process group; "
+                "offloaded shards live in CPU memory)",
+            )
         if cfg.parallelism.name == "zero":
             raise ConfigError(
                 "optimizer",

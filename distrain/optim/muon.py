@@ -96,8 +96,9 @@ def chunk_sizes(length: int, ranks: int) -> list[int]:
 class Muon(torch.optim.Optimizer):
     """Muon for the groups with ``use_muon`` and ``torch.optim.AdamW`` for the others, sharing one state.
 
-    Groups carry ``lr``, ``weight_decay`` and ``use_muon`` (``distrain.optim.groups.param_groups``); ``momentum``,
-    ``nesterov``, ``betas`` and ``eps`` come from the defaults. See the module docstring for the update and where it
+    Groups carry ``weight_decay`` and, where they differ from the defaults, ``lr`` and ``use_muon``
+    (``distrain.optim.groups.param_groups``); ``momentum``, ``nesterov``, ``betas`` and ``eps`` come from the
+    defaults. See the module docstring for the update and where it
     runs.
     """
 
@@ -247,12 +248,16 @@ class Muon(torch.optim.Optimizer):
         dims = [u.placements[mesh_dim].dim for u in items]
         runs, owners = self._bucketed_owners([u.numel() for u in items], items[0].element_size(), ranks)
         splits = [chunk_sizes(u.shape[d], ranks) for u, d in zip(items, dims, strict=True)]
-        for u, d, split in zip(items, dims, splits, strict=True):
-            if u.to_local().shape[d] != split[me]:  # not torch.chunk's split (a hand-made DTensor): say so
-                raise ValueError(
-                    f"Muon: a shard of {tuple(u.shape)} has {u.to_local().shape[d]} rows on dim {d}, "
-                    f"not Shard's {split[me]}; build sharded parameters with FSDP2, TP or distribute_tensor"
-                )
+        # A hand-made DTensor split otherwise than Shard's torch.chunk: every rank learns it (one all_reduce) and
+        # raises, rather than the ranks whose shard looks right waiting in an all_to_all the others never join.
+        wrong = any(u.to_local().shape[d] != split[me] for u, d, split in zip(items, dims, splits, strict=True))
+        flag = torch.tensor([float(wrong)], device=items[0].to_local().device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            raise ValueError(
+                "Muon: a sharded matrix is not split as Shard splits it (torch.chunk) on every rank; build sharded "
+                "parameters with FSDP2, tensor parallelism or distribute_tensor"
+            )
 
         def shard_shape(k: int, rank: int) -> list[int]:
             shape = list(items[k].shape)

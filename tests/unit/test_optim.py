@@ -163,7 +163,21 @@ def test_resuming_with_other_group_rules_is_refused_in_one_line(tmp_path, overri
 
     saved = compose_config(["model=llama_tiny"])
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
-    check_resumable(saved, tmp_path, world_size=2)  # the same rules resume
+    check_resumable(saved, tmp_path, world_size=2)  # the same rules resume, also written otherwise:
+    check_resumable(compose_config(["model=llama_tiny", "optimizer.no_decay=[bias,norm]"]), tmp_path, world_size=2)
     with pytest.raises(ConfigError) as refused:
         check_resumable(compose_config(["model=llama_tiny", override]), tmp_path, world_size=2)
     assert refused.value.key == key and "a resumed run keeps the groups" in str(refused.value)
+
+
+def test_muon_refuses_zero_and_offloaded_shards_in_one_line():
+    from distrain.config_checks import ConfigError
+    from distrain.optim.checks import validate_optimizer
+
+    for overrides, key in (
+        (["parallelism=zero"], "optimizer"),
+        (["parallelism=fsdp", "parallelism.cpu_offload=true"], "parallelism.cpu_offload"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            validate_optimizer(compose_config(["optimizer=muon", *overrides]), None)
+        assert refused.value.key == key
