@@ -8,6 +8,7 @@ checkpoint of a run that is already complete, when there is nothing to train.
 
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from distrain.checkpoint.checkpointer import (
 )
 from distrain.checkpoint.lock import CheckpointDirLock
 from distrain.config_checks import ConfigError
+
+log = logging.getLogger("distrain.train")
+# Optimizer settings a checkpoint's optimizer state carries (per parameter group): a resumed run keeps the saved ones.
+RESTORED_OPTIMIZER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "nesterov")
 
 
 def prepare_checkpoint_dir(
@@ -138,6 +143,18 @@ def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
                 f"{theirs} {where}: the optimizer's state and learning rates are saved by "
                 "parameter group, so a resumed run keeps the groups (start a new run to change them)",
             )
+    changed = [
+        f"optimizer.{key}={cfg.optimizer[key]} (the checkpoint's: {saved.optimizer[key]})"
+        for key in RESTORED_OPTIMIZER_KEYS
+        if key in cfg.optimizer and key in saved.optimizer and cfg.optimizer[key] != saved.optimizer[key]
+    ]
+    if changed:
+        log.warning(
+            "%s: ignored on resume; the optimizer state restored from %s carries its own (start a new run to "
+            "change them)",
+            ", ".join(changed),
+            checkpoint,
+        )
     if (saved.parallelism.name == "zero") != (cfg.parallelism.name == "zero"):
         formats = "DeepSpeed's format (parallelism=zero)" if saved.parallelism.name == "zero" else "DCP's format"
         raise ConfigError("parallelism", cfg.parallelism.name, f"a strategy that reads {formats}, {where}")

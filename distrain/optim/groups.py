@@ -229,9 +229,8 @@ def save(summaries: Sequence[GroupSummary], run_dir: str) -> Path:
 
 
 def announce(model: nn.Module, roles: Mapping[str, str], rules: GroupRules, optimizer_name: str, run_dir: str) -> None:
-    """Log the whole model's groups as a table (and each unmatched rule's warning) and save them in ``run_dir``."""
-    summaries, warnings = resolve(model, roles, rules)
+    """Log the whole model's groups as a table and save them in ``run_dir`` (a rule matching nothing was warned
+    about once, by validation before any rank started)."""
+    summaries, _ = resolve(model, roles, rules)
     log.info(describe(summaries, optimizer_name))
-    for warning in warnings:
-        log.warning(warning)
     save(summaries, run_dir)

@@ -181,3 +181,14 @@ def test_muon_refuses_zero_and_offloaded_shards_in_one_line():
         with pytest.raises(ConfigError) as refused:
             validate_optimizer(compose_config(["optimizer=muon", *overrides]), None)
         assert refused.value.key == key
+
+
+def test_optimizer_settings_the_checkpoint_restores_are_named_when_changed_on_resume(tmp_path, caplog):
+    from omegaconf import OmegaConf
+
+    from distrain.checkpoint.preflight import check_resumable
+
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose_config([])))
+    with caplog.at_level("WARNING", logger="distrain.train"):
+        check_resumable(compose_config(["optimizer.lr=1e-3"]), tmp_path, world_size=2)
+    assert "optimizer.lr=0.001 (the checkpoint's: 0.003): ignored on resume" in caplog.text
