@@ -140,7 +140,7 @@ def main() -> None:
     ]
     base: dict[str, float] = {}
     for cp in args.cp:
-        ranks = run_ranks(rank_main, (args, cp), nproc_per_node=cp, start_method="fork")
+        ranks = run_ranks(rank_main, (args, cp), nproc_per_node=cp, start_method="forkserver")
         activation = max(r["activation"] for r in ranks.values())  # the largest rank's (equal under load balance)
         cpu_time = max(r["cpu_time"] for r in ranks.values())  # the busiest rank's
         wall_time = ranks[0]["wall_time"]  # between barriers: the group's step

@@ -33,6 +33,7 @@ from distrain.launch import (
     resume_setting,
     run_ranks,
     slurm_restart_count,
+    start_fork_server,
 )
 from distrain.overrides import composition_error, plain_overrides, quote_group_options
 from distrain.preemption import REQUEUE_EXIT_CODE
@@ -78,6 +79,8 @@ def run(cfg: DictConfig) -> float | None:
         plan = validate(cfg)
     except ConfigError as err:
         refuse(err)
+    if plan.start_method == "forkserver" and plan.nproc_per_node > 1 and not inside_launcher():
+        start_fork_server(build_and_train)  # its imports overlap the checks below
     run_dir = hydra_cfg.runtime.output_dir
     absolute_paths(cfg)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -135,8 +138,7 @@ def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], checkp
             rank_args,
             nproc_per_node=plan.nproc_per_node,
             max_restarts=cfg.distributed.max_restarts,
-            # CPU ranks fork from this process and skip re-importing torch; CUDA must not be forked.
-            start_method="fork" if plan.device_type == "cpu" else "spawn",
+            start_method=plan.start_method,
         )
     except RunError as err:  # raised by the one rank this process ran itself
         fail(str(err))

@@ -8,6 +8,7 @@ machinery behind torchrun), so Hydra never runs once per rank.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -34,6 +35,7 @@ __all__ = [
     "restarted_attempt",
     "resume_setting",
     "run_ranks",
+    "start_fork_server",
 ]
 
 
@@ -121,6 +123,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_fork_server(entrypoint: Callable[..., Any]) -> None:
+    """Start (once per process) the server that ``forkserver`` ranks fork from, importing what every rank needs.
+
+    ``run_ranks`` calls it; calling it earlier overlaps the server's imports with the caller's own work.
+
+    The server is a fresh single-threaded interpreter, so forking from it is safe; it keeps this process's
+    environment and ``sys.path`` as they are now, and later changes to them in this process do not reach it.
+    """
+    multiprocessing.set_forkserver_preload(sorted({"distrain.rank", entrypoint.__module__}))
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
 @contextmanager
 def _single_rank_env() -> Iterator[None]:
     """The environment variables a launcher would set for a world of one, restored afterwards."""
@@ -159,21 +175,28 @@ def run_ranks(
     with a c10d rendezvous on a free local port; if any rank fails, the agent stops the others (no hang) and,
     after ``max_restarts`` restarts, raises ``ChildFailedError`` carrying the failing rank's traceback.
 
-    ``start_method``: ``spawn`` (a fresh interpreter per rank; required once CUDA may be initialised) or ``fork``
-    (ranks inherit the imported modules, which saves seconds per rank on CPU).
+    ``start_method``: ``spawn`` (a fresh interpreter per rank; required once CUDA may be initialised) or
+    ``forkserver`` (ranks fork from one server process that imported ``distrain.rank`` and the entrypoint's module
+    once, which saves seconds per rank on CPU). Never ``fork`` from here: the agent's rendezvous store serves from a
+    thread of this process while ranks start, and a child forked while a thread holds a lock can hang or crash.
+
+    The rendezvous store binds port 0, so the kernel picks a free port atomically: a port chosen first and bound
+    later can be taken in between, and the agent then silently joins whatever store listens there (a hang).
     """
     if inside_launcher():
         return {launcher_rank(): entrypoint(*args)}
     if nproc_per_node == 1 and max_restarts == 0:
         with _single_rank_env():
             return {0: entrypoint(*args)}
+    if start_method == "forkserver":
+        start_fork_server(entrypoint)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc_per_node,
         run_id=uuid.uuid4().hex,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint="127.0.0.1:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method=start_method,

@@ -72,6 +72,12 @@ class LaunchPlan:
     nproc_per_node: int
     world_size: int  # all ranks of the job (every node's)
 
+    @property
+    def start_method(self) -> str:
+        """How ``run_ranks`` starts this node's ranks: CPU ranks fork from a server that imported torch and
+        distrain once; CUDA ranks start as fresh interpreters (CUDA must not be forked)."""
+        return "forkserver" if self.device_type == "cpu" else "spawn"
+
 
 def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     """Raise ``ConfigError`` for the first invalid value; return the resolved launch plan.

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
@@ -116,8 +118,23 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
 
 
 def on_ranks(fn: Any, nprocs: int, *args: Any) -> dict[int, Any]:
-    """Run ``fn(*args)`` on ``nprocs`` real gloo ranks (forked processes unless nprocs == 1)."""
-    return run_ranks(fn, args, nproc_per_node=nprocs, start_method="fork")
+    """Run ``fn(*args)`` on ``nprocs`` real gloo ranks (processes forked from a fork server unless nprocs == 1).
+
+    ``fn`` and ``args`` are pickled, and the ranks see the environment this process had at its first call."""
+    return run_ranks(fn, args, nproc_per_node=nprocs, start_method="forkserver")
+
+
+def rank_processes(launcher_pid: int) -> list[psutil.Process]:
+    """The rank processes a ``train.py`` launcher started: its children, or on CPU the children of its fork server
+    (the launcher's other helper, multiprocessing's resource tracker, is not a rank)."""
+    ranks = []
+    for child in psutil.Process(launcher_pid).children():
+        command = " ".join(child.cmdline())
+        if "multiprocessing.forkserver" in command:
+            ranks += child.children()
+        elif "multiprocessing.resource_tracker" not in command:
+            ranks.append(child)
+    return ranks
 
 
 def join(cfg: DictConfig) -> DistEnv:
@@ -137,15 +154,30 @@ def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run_train(
     args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """``python train.py <args>`` in a subprocess, from ``cwd``; ``env`` adds variables (None removes one)."""
-    return subprocess.run(
+    """``python train.py <args>`` in a subprocess, from ``cwd``; ``env`` adds variables (None removes one).
+
+    On ``timeout`` the whole process group is killed (launcher, fork server and ranks), so a hung run leaves no
+    ranks behind to slow the tests after it, and ``subprocess.TimeoutExpired`` is raised."""
+    return run_in_own_group(
         [sys.executable, str(REPO / "train.py"), *args],
         cwd=cwd,
         env={key: value for key, value in {**os.environ, **(env or {})}.items() if value is not None},
-        capture_output=True,
-        text=True,
         timeout=timeout,
     )
+
+
+def run_in_own_group(command: list[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)`` in a new session, killed as a group on timeout."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **popen
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr) from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def train_steps(cfg_dicts: list[dict[str, Any]], steps: int, checkpoint_at: int | None = None) -> list[dict[str, Any]]:

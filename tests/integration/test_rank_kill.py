@@ -15,9 +15,8 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
-from helpers import FAST, REPO, run_train
+from helpers import FAST, REPO, rank_processes, run_train
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +74,7 @@ def kill_one_rank_at_random(args, cwd, rng):
             time.sleep(0.05)
         # Within the time the remaining steps take at least (each sleeps 0.15 s on the slow rank).
         time.sleep(rng.uniform(0.0, min(2.0, 0.1 * (STEPS - last_step()))))
-        ranks = psutil.Process(job.pid).children()
+        ranks = rank_processes(job.pid)
         assert job.poll() is None and ranks, "the run ended before a rank could be killed"
         victim = rng.choice(ranks)
         at_step = last_step()
