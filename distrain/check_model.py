@@ -118,6 +118,7 @@ def layout_overrides(layout: Layout, steps: int, user: list[str]) -> list[str]:
 
 def refusal(overrides: list[str]) -> str | None:
     """Why validation refuses this run before any rank starts (None: it would start)."""
+    from distrain.optim.checks import unapplied_clipping
     from distrain.validate import validate
 
     register_configs()
@@ -125,6 +126,8 @@ def refusal(overrides: list[str]) -> str | None:
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
         validate(cfg)
+        if note := unapplied_clipping(cfg):  # the one-process reference clips: the losses cannot agree
+            return note
     except ConfigError as err:
         return str(err)
     except Exception as err:  # an override this layout's config cannot take (e.g. a pipeline key without a pipeline)

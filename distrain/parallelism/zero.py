@@ -25,7 +25,9 @@ from distrain.checkpoint.data_only import load_tensors_and_values
 from distrain.data.sampler import Batch
 from distrain.faults import maybe_inject_fault
 from distrain.models.spec import spec_of
+from distrain.optim.deepspeed_muon import deepspeed_muon
 from distrain.optim.groups import base_lr
+from distrain.optim.muon import Muon
 from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext
 from distrain.parallelism.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
 
@@ -121,15 +123,18 @@ class ZeroStrategy:
                 sized[key] = min(cap, -(-num_params // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT)
         return sized
 
-    def deepspeed_config(self, ctx: StrategyContext, num_params: int) -> dict[str, Any]:
+    def deepspeed_config(self, ctx: StrategyContext, num_params: int, muon: bool = False) -> dict[str, Any]:
         """The DeepSpeed config equivalent to distrain's settings (batch, accumulation, clipping, precision), its
-        buffers sized to a model of ``num_params`` parameters where not set."""
+        buffers sized to a model of ``num_params`` parameters where not set. ``muon``: the optimizer is DeepSpeed's
+        Muon, whose stage 3 reduces gradients without reduce-scatter (it needs every matrix's whole gradient)."""
         config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": ctx.micro_batch_size,
             "gradient_accumulation_steps": ctx.grad_accum_steps,
             "train_batch_size": ctx.micro_batch_size * ctx.grad_accum_steps * ctx.env.world_size,
-            "gradient_clipping": ctx.grad_clip_norm,
-            "zero_optimization": self.sized_to(num_params),
+            # With Muon, DeepSpeed would clip its updates, not gradients (see optim.checks.unapplied_clipping).
+            "gradient_clipping": 0.0 if muon else ctx.grad_clip_norm,
+            "zero_optimization": self.sized_to(num_params)
+            | ({"reduce_scatter": False} if muon and self.stage == 3 else {}),
             # distrain builds the torch optimizer (AdamW/SGD) from its optimizer group; DeepSpeed wraps it.
             "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False,
@@ -146,11 +151,14 @@ class ZeroStrategy:
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         deepspeed = import_deepspeed(ctx.env.device.type)
         self.ctx, self.device, self.spec = ctx, ctx.env.device, spec_of(model)
-        config = self.deepspeed_config(ctx, sum(p.numel() for p in model.parameters()))
+        optimizer = ctx.build_optimizer(model.named_parameters())
+        muon = isinstance(optimizer, Muon)
+        if muon:  # ZeRO drives DeepSpeed's Muon, which it knows how to partition
+            optimizer = deepspeed_muon(optimizer)
+        config = self.deepspeed_config(ctx, sum(p.numel() for p in model.parameters()), muon)
         if ctx.env.is_main:
             Path(ctx.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(ctx.run_dir) / "deepspeed_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        optimizer = ctx.build_optimizer(model.named_parameters())
         scheduler = ctx.build_scheduler(optimizer)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False

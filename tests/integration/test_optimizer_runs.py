@@ -44,7 +44,10 @@ lr_multipliers:
 @pytest.mark.parametrize(
     "overrides,line",
     [
-        (["optimizer=muon", "parallelism=zero"], "optimizer='muon' is not allowed: adamw or sgd with parallelism=zero"),
+        (
+            ["optimizer=muon", "parallelism=zero", "optimizer.nesterov=false"],
+            "optimizer.nesterov=False is not allowed: true with optimizer=muon parallelism=zero (DeepSpeed's Muon)",
+        ),
         (["optimizer=two_globs"], "'*.weight' is not allowed: parameter blocks.0.attn_norm.weight is also named by"),
     ],
 )

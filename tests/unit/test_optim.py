@@ -170,17 +170,58 @@ def test_resuming_with_other_group_rules_is_refused_in_one_line(tmp_path, overri
     assert refused.value.key == key and "a resumed run keeps the groups" in str(refused.value)
 
 
-def test_muon_refuses_zero_and_offloaded_shards_in_one_line():
+def test_muon_refuses_what_deepspeed_fixes_and_offloaded_shards_in_one_line():
     from distrain.config_checks import ConfigError
     from distrain.optim.checks import validate_optimizer
 
     for overrides, key in (
-        (["parallelism=zero"], "optimizer"),
+        (["parallelism=zero", "optimizer.nesterov=false"], "optimizer.nesterov"),
+        (["parallelism=zero", "optimizer.ns_steps=4"], "optimizer.ns_steps"),
+        (["parallelism=zero", "parallelism.offload_optimizer=cpu"], "parallelism.offload_optimizer"),
         (["parallelism=fsdp", "parallelism.cpu_offload=true"], "parallelism.cpu_offload"),
     ):
         with pytest.raises(ConfigError) as refused:
             validate_optimizer(compose_config(["optimizer=muon", *overrides]), None)
         assert refused.value.key == key
+
+
+def test_muon_under_zero_says_once_that_clipping_is_not_applied():
+    from distrain.optim.checks import validate_optimizer
+
+    (note,) = validate_optimizer(compose_config(["optimizer=muon", "parallelism=zero"]), None)
+    assert note.startswith("trainer.grad_clip_norm=1.0 is not applied with optimizer=muon parallelism=zero")
+    assert (
+        validate_optimizer(compose_config(["optimizer=muon", "parallelism=zero", "trainer.grad_clip_norm=0"]), None)
+        == []
+    )
+    assert validate_optimizer(compose_config(["optimizer=muon", "parallelism=ddp"]), None) == []
+
+
+def test_deepspeed_groups_carry_distrains_scale_and_decay_per_matrix_shape():
+    """Per shape, DeepSpeed's lr x its own scale is distrain's lr x 0.2 sqrt(max(rows, cols)), and lr x
+    weight_decay (the decay per step) is distrain's; the logged base rate stays optimizer.lr."""
+    from distrain.optim import optimizers
+    from distrain.optim.deepspeed_muon import deepspeed_muon, deepspeed_scale
+    from distrain.optim.groups import base_lr
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 8), torch.nn.LayerNorm(8))
+    optimizer = optimizers.muon(
+        model.named_parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, momentum=0.95,
+        nesterov=True, ns_steps=5, bucket_mb=1, lr_multipliers={"matrix": 2.0},
+    )  # fmt: skip
+    converted = deepspeed_muon(optimizer)
+    assert base_lr(converted) == pytest.approx(0.01)
+    shapes = set()
+    for group in converted.param_groups:
+        shape = group["params"][0].shape
+        assert all(p.use_muon == group["use_muon"] for p in group["params"])
+        if group["use_muon"]:
+            assert all(p.shape == shape for p in group["params"])
+            shapes.add(tuple(shape))
+            assert group["lr"] * deepspeed_scale(shape) == pytest.approx(0.02 * update_scale(shape))
+            assert group["lr"] * group["weight_decay"] == pytest.approx(0.02 * 0.1)
+            assert group["momentum"] == 0.95 and group["ns_method"] == "standard"
+    assert shapes == {(32, 8), (8, 32)}
 
 
 def test_optimizer_settings_the_checkpoint_restores_are_named_when_changed_on_resume(tmp_path, caplog):
