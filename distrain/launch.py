@@ -8,7 +8,6 @@ machinery behind torchrun), so Hydra never runs once per rank.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import socket
 import subprocess
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from distrain.fork_server import restore_stop_signals, start_fork_server
 
 __all__ = [
     "ChildFailedError",
@@ -104,6 +105,7 @@ def _worker_main(entrypoint: Callable[..., Any], *args: Any) -> Any:
     a warning), time a preempted job does not have. Ending the process ``WORKER_EXIT_GRACE_S`` after the return
     loses nothing: a launcher still collecting has read the value by then, and treats status 0 as success.
     """
+    restore_stop_signals()  # a rank forked from the fork server inherits its ignoring them
     result = entrypoint(*args)
     timer = threading.Timer(WORKER_EXIT_GRACE_S, _exit_now)
     timer.daemon = True  # a worker the launcher releases in time exits normally, timer and all
@@ -121,20 +123,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def start_fork_server(entrypoint: Callable[..., Any]) -> None:
-    """Start (once per process) the server that ``forkserver`` ranks fork from, importing what every rank needs.
-
-    ``run_ranks`` calls it; calling it earlier overlaps the server's imports with the caller's own work.
-
-    The server is a fresh single-threaded interpreter, so forking from it is safe; it keeps this process's
-    environment and ``sys.path`` as they are now, and later changes to them in this process do not reach it.
-    """
-    multiprocessing.set_forkserver_preload(sorted({"distrain.rank", entrypoint.__module__}))
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
 
 
 @contextmanager

@@ -177,6 +177,9 @@ def run_in_own_group(command: list[str], timeout: float, **popen: Any) -> subpro
             os.killpg(process.pid, signal.SIGKILL)
             stdout, stderr = process.communicate()
             raise subprocess.TimeoutExpired(command, timeout, stdout, stderr) from None
+        except BaseException:  # pytest-timeout, Ctrl-C: the run has a session of its own and would live on
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 

@@ -7,6 +7,7 @@ import copy
 import itertools
 import logging
 import tempfile
+from functools import partial
 
 import pytest
 import torch
@@ -140,11 +141,11 @@ def guard_checks(cases):
         leave()
 
 
-GUARD_CASES = {
-    "bf16": lambda: CastComm(dtype="bfloat16", quality_every=1, quality_threshold=0.9, **DDP_ARGS),
-    "topk_all": lambda: topk(1.0, feedback="residual", quality_every=1, quality_threshold=0.9),
-    "topk_1pct": lambda: topk(0.01, feedback="residual", quality_every=1, quality_threshold=0.5),
-    "topk_every_2": lambda: topk(0.01, quality_every=2, quality_threshold=0.5),
+GUARD_CASES = {  # partials, not lambdas: the ranks receive them pickled
+    "bf16": partial(CastComm, dtype="bfloat16", quality_every=1, quality_threshold=0.9, **DDP_ARGS),
+    "topk_all": partial(topk, 1.0, feedback="residual", quality_every=1, quality_threshold=0.9),
+    "topk_1pct": partial(topk, 0.01, feedback="residual", quality_every=1, quality_threshold=0.5),
+    "topk_every_2": partial(topk, 0.01, quality_every=2, quality_threshold=0.5),
 }
 
 

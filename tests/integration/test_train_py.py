@@ -1,6 +1,7 @@
 """train.py end to end in a subprocess: run directory, multirun, torchrun, a crashing rank, the default run."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -166,20 +167,29 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert losses_by_step(tmp_path / "second")[5] == losses_by_step(tmp_path / "first")[5]
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
-def test_stop_signal_checkpoints_at_a_step_boundary_and_exits_for_requeue(tmp_path, signal_name):
+@pytest.mark.parametrize("signal_name,to_every_process", [("SIGTERM", False), ("SIGUSR1", False), ("SIGUSR1", True)])
+def test_stop_signal_checkpoints_at_a_step_boundary_and_exits_for_requeue(tmp_path, signal_name, to_every_process):
+    """To train.py, which forwards it to its ranks; or to every process of the run, as SLURM's ``--signal`` and
+    ``scancel --signal`` send it (the launcher, the fork server its CPU ranks fork from, the ranks)."""
     import signal
     import time
 
     args = [*FAST, "trainer.max_steps=100000", "hydra.run.dir=run", "checkpoint.keep_last=0"]
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=to_every_process,
     )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
         time.sleep(0.2)
-    proc.send_signal(getattr(signal, signal_name))  # to train.py, which forwards it to its ranks
+    if to_every_process:
+        os.killpg(proc.pid, getattr(signal, signal_name))
+    else:
+        proc.send_signal(getattr(signal, signal_name))
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr
     assert f"stopped by {signal_name}" in stderr

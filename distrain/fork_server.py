@@ -1,0 +1,49 @@
+"""The server CPU ranks fork from (multiprocessing's ``forkserver``), safe against the signals a job receives.
+
+Ranks are not forked from the launcher itself: its elastic agent serves the rendezvous store from a thread while
+ranks start, and a child forked while another thread holds a lock can hang or crash. The fork server is a fresh
+single-threaded interpreter that imports ``distrain.rank`` once, so each rank starts in milliseconds.
+
+The server also imports ``distrain.fork_server_signals``, which makes it ignore the stop signals a scheduler may
+send to every process of a job (SLURM's ``--signal`` and ``scancel --signal``, ``timeout``, a process-group kill):
+killed, the server would take its children's exit-status pipes with it, and the launcher would take live ranks,
+still saving a checkpoint, for dead ones. It still exits by itself when the launcher does. Each rank restores the
+default actions (:func:`restore_stop_signals`) before installing its own handlers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections.abc import Callable
+from multiprocessing import forkserver
+from typing import Any
+
+# What the launcher forwards to its ranks (SIGINT aside: the server ignores it already, as multiprocessing does).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_started_with: dict[str, str] | None = None  # this process's environment when it started the server
+
+
+def restore_stop_signals() -> None:
+    """The default action for every stop signal (a forked rank inherits the server's ignoring them)."""
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_DFL)
+
+
+def start_fork_server(entrypoint: Callable[..., Any]) -> None:
+    """Start the server ranks fork from, importing this module, ``distrain.rank`` and ``entrypoint``'s module.
+
+    Once per process while the environment stays as it is: the server and its ranks keep the environment it started
+    with, so a later call with another environment (the next job of a multirun run in this process, with its own
+    ``hydra.job.env_set``) restarts it. Calling it before ``run_ranks`` overlaps the server's imports with the
+    caller's work.
+    """
+    global _started_with
+    environment = dict(os.environ)
+    if _started_with is not None and _started_with != environment:
+        forkserver._forkserver._stop()
+    modules = ["distrain.fork_server_signals", "distrain.rank", entrypoint.__module__]
+    multiprocessing.set_forkserver_preload(list(dict.fromkeys(modules)))
+    forkserver.ensure_running()
+    _started_with = environment
