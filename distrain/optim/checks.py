@@ -43,7 +43,7 @@ def validate_schedule(cfg: DictConfig) -> None:
 
 def _validate_deepspeed_muon(cfg: DictConfig) -> None:
     """What DeepSpeed's Muon, which ``parallelism=zero`` runs, fixes: Nesterov momentum, 5 Newton-Schulz steps, and
-    no optimizer offload (its offloaded update is not one distrain has checked)."""
+    no offloading (not a path distrain has checked)."""
     from distrain.optim.deepspeed_muon import DEEPSPEED_NS_STEPS
 
     if not cfg.optimizer.nesterov:
@@ -54,12 +54,13 @@ def _validate_deepspeed_muon(cfg: DictConfig) -> None:
             cfg.optimizer.ns_steps,
             f"{DEEPSPEED_NS_STEPS} with optimizer=muon parallelism=zero (DeepSpeed's Muon fixes it)",
         )
-    if cfg.parallelism.get("offload_optimizer", "none") != "none":
-        raise ConfigError(
-            "parallelism.offload_optimizer",
-            cfg.parallelism.offload_optimizer,
-            "none with optimizer=muon (DeepSpeed's offloaded Muon update is not supported by distrain)",
-        )
+    for key in ("offload_optimizer", "offload_param"):
+        if cfg.parallelism.get(key, "none") != "none":
+            raise ConfigError(
+                f"parallelism.{key}",
+                cfg.parallelism[key],
+                "none with optimizer=muon (DeepSpeed's Muon with offloading is not supported by distrain)",
+            )
 
 
 def unapplied_clipping(cfg: DictConfig) -> str | None:

@@ -32,7 +32,7 @@ ZERO_LAYOUTS = {
     "zero2": (2, ["parallelism=zero", "parallelism.stage=2", *TWO_REPLICAS, *UNCLIPPED]),
     "zero3": (2, ["parallelism=zero", "parallelism.stage=3", *TWO_REPLICAS, *UNCLIPPED]),
 }
-RESUMED = ("ddp", "fsdp", "zero2")
+RESUMED = ("ddp", "fsdp", "zero2", "zero3")
 
 
 def losses_on(ranks, overrides, checkpoint_at=None):
@@ -72,5 +72,5 @@ def test_muon_under_every_layout_follows_one_process(single, layout):
 @pytest.mark.parametrize("layout", list(ZERO_LAYOUTS))
 def test_deepspeed_muon_under_zero_follows_one_process(single_unclipped, layout):
     """DeepSpeed's Muon with distrain's scale and decay folded into its groups is distrain's Muon (to the rounding
-    of its bf16 Newton-Schulz), and zero2's checkpoint resumes it bit-exactly."""
+    of its bf16 Newton-Schulz), and DeepSpeed's checkpoints resume it bit-exactly."""
     follows(single_unclipped, layout, *ZERO_LAYOUTS[layout])

@@ -178,6 +178,7 @@ def test_muon_refuses_what_deepspeed_fixes_and_offloaded_shards_in_one_line():
         (["parallelism=zero", "optimizer.nesterov=false"], "optimizer.nesterov"),
         (["parallelism=zero", "optimizer.ns_steps=4"], "optimizer.ns_steps"),
         (["parallelism=zero", "parallelism.offload_optimizer=cpu"], "parallelism.offload_optimizer"),
+        (["parallelism=zero", "parallelism.stage=3", "parallelism.offload_param=cpu"], "parallelism.offload_param"),
         (["parallelism=fsdp", "parallelism.cpu_offload=true"], "parallelism.cpu_offload"),
     ):
         with pytest.raises(ConfigError) as refused:
