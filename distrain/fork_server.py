@@ -26,9 +26,11 @@ _started_with: dict[str, str] | None = None  # this process's environment when i
 
 
 def restore_stop_signals() -> None:
-    """The default action for every stop signal (a forked rank inherits the server's ignoring them)."""
+    """The default action for every stop signal (a forked rank inherits the server's ignoring them), and Python's
+    KeyboardInterrupt for SIGINT (which a server started with SIGINT ignored, as in a background job, passes on)."""
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def start_fork_server(entrypoint: Callable[..., Any]) -> None:

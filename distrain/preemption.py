@@ -1,4 +1,5 @@
-"""Graceful stop on SIGTERM / SIGUSR1 / SIGUSR2 (SLURM sends one before a time limit or preemption).
+"""Graceful stop on SIGTERM / SIGUSR1 / SIGUSR2 (SLURM sends one before a time limit or preemption) and SIGINT
+(Ctrl-C in a terminal reaches every process of the run; the launcher forwards it too).
 
 The handler only records the signal; at the next step boundary all ranks agree (``distrain.agreement``: a signal
 seen by any rank stops every rank at the same step), save a checkpoint and return. The job then exits with
@@ -11,12 +12,13 @@ import signal
 from types import FrameType
 
 # SIGUSR2 is what submitit asks SLURM to send before a time limit (hydra.launcher.signal_delay_s).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 REQUEUE_EXIT_CODE = 143  # 128 + SIGTERM: "terminated", the conventional status for a job stopped to be requeued
 
 
 class StopRequest:
-    """Records SIGTERM/SIGUSR1/SIGUSR2 while installed (main thread only); ``install``/``uninstall`` around training."""
+    """Records SIGTERM/SIGUSR1/SIGUSR2/SIGINT while installed (main thread only); ``install``/``uninstall`` around
+    training."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None

@@ -167,10 +167,13 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert losses_by_step(tmp_path / "second")[5] == losses_by_step(tmp_path / "first")[5]
 
 
-@pytest.mark.parametrize("signal_name,to_every_process", [("SIGTERM", False), ("SIGUSR1", False), ("SIGUSR1", True)])
+@pytest.mark.parametrize(
+    "signal_name,to_every_process", [("SIGTERM", False), ("SIGUSR1", False), ("SIGUSR1", True), ("SIGINT", True)]
+)
 def test_stop_signal_checkpoints_at_a_step_boundary_and_exits_for_requeue(tmp_path, signal_name, to_every_process):
     """To train.py, which forwards it to its ranks; or to every process of the run, as SLURM's ``--signal`` and
-    ``scancel --signal`` send it (the launcher, the fork server its CPU ranks fork from, the ranks)."""
+    ``scancel --signal`` send it, and Ctrl-C in a terminal sends SIGINT (the launcher, the fork server its CPU ranks
+    fork from, the ranks)."""
     import signal
     import time
 
