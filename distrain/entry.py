@@ -33,7 +33,6 @@ from distrain.launch import (
     resume_setting,
     run_ranks,
     slurm_restart_count,
-    start_fork_server,
 )
 from distrain.overrides import composition_error, plain_overrides, quote_group_options
 from distrain.preemption import REQUEUE_EXIT_CODE
@@ -79,8 +78,6 @@ def run(cfg: DictConfig) -> float | None:
         plan = validate(cfg)
     except ConfigError as err:
         refuse(err)
-    if plan.start_method == "forkserver" and plan.nproc_per_node > 1 and not inside_launcher():
-        start_fork_server(build_and_train)  # its imports overlap the checks below
     run_dir = hydra_cfg.runtime.output_dir
     absolute_paths(cfg)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

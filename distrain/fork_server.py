@@ -38,8 +38,7 @@ def start_fork_server(entrypoint: Callable[..., Any]) -> None:
 
     Once per process while the environment stays as it is: the server and its ranks keep the environment it started
     with, so a later call with another environment (the next job of a multirun run in this process, with its own
-    ``hydra.job.env_set``) restarts it. Calling it before ``run_ranks`` overlaps the server's imports with the
-    caller's work.
+    ``hydra.job.env_set``) restarts it.
     """
     global _started_with
     environment = dict(os.environ)

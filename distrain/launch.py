@@ -36,7 +36,6 @@ __all__ = [
     "restarted_attempt",
     "resume_setting",
     "run_ranks",
-    "start_fork_server",
 ]
 
 

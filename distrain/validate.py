@@ -111,25 +111,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     if not target:  # a dry run plans memory on another machine; its trackers are that machine's business
         validate_trackers(cfg)
 
-    nproc = cfg.distributed.nproc_per_node
-    if target:
-        nproc = target.ranks_per_node
-        if cfg.parallelism.name == "single" and target.world_size > 1:
-            key, value = ("target.nodes", target.nodes) if target.nodes > 1 else (target.ranks_key, nproc)
-            raise ConfigError(key, value, "parallelism=single runs one rank; use parallelism=ddp for more")
-    elif cfg.parallelism.name == "single":
-        if nproc not in (None, 1) or (inside_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1):
-            raise ConfigError(
-                "distributed.nproc_per_node",
-                nproc,
-                "parallelism=single runs one rank; use parallelism=ddp for more",
-            )
-        nproc = 1
-    elif nproc is None:
-        nproc = default_nproc_per_node(device_type)
-    if device_type == "cuda" and not target and nproc > torch.cuda.device_count():
-        raise ConfigError("distributed.nproc_per_node", nproc, f"at most the {torch.cuda.device_count()} visible GPUs")
-
+    nproc = _ranks_per_node(cfg, target, device_type)
     _validate_training(cfg)
     model = _validate_model_and_data(cfg)
     for note in validate_optimizer(cfg, model):
@@ -163,6 +145,30 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         validate_hybrid(cfg, world_size, ranks_per_node=local)
     validate_data_fits(cfg, world_size, local)  # after the degrees are known to be valid
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc, world_size=world_size)
+
+
+def _ranks_per_node(cfg: DictConfig, target: Target | None, device_type: str) -> int:
+    """The ranks this launch starts per node: the target's, 1 for ``parallelism=single``, else
+    ``distributed.nproc_per_node`` or the device's default; refused where they cannot run."""
+    nproc = cfg.distributed.nproc_per_node
+    if target:
+        nproc = target.ranks_per_node
+        if cfg.parallelism.name == "single" and target.world_size > 1:
+            key, value = ("target.nodes", target.nodes) if target.nodes > 1 else (target.ranks_key, nproc)
+            raise ConfigError(key, value, "parallelism=single runs one rank; use parallelism=ddp for more")
+    elif cfg.parallelism.name == "single":
+        if nproc not in (None, 1) or (inside_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            raise ConfigError(
+                "distributed.nproc_per_node",
+                nproc,
+                "parallelism=single runs one rank; use parallelism=ddp for more",
+            )
+        nproc = 1
+    elif nproc is None:
+        nproc = default_nproc_per_node(device_type)
+    if device_type == "cuda" and not target and nproc > torch.cuda.device_count():
+        raise ConfigError("distributed.nproc_per_node", nproc, f"at most the {torch.cuda.device_count()} visible GPUs")
+    return nproc
 
 
 def _validate_training(cfg: DictConfig) -> None:
