@@ -66,9 +66,10 @@ def summary_table(summary: dict[str, Any], run_dir: str) -> str:
 
     peaks = [peak for peak in summary.get("peak_memory_bytes_per_rank") or [] if peak is not None]
     stopped = f" (stopped by {summary['stopped_by']})" if summary.get("stopped_by") else ""
+    layout = summary.get("layout", summary.get("parallelism"))
     rows = [
         ("steps", f"{summary.get('steps')}{stopped}"),
-        ("layout", f"{summary.get('parallelism')} x {summary.get('world_size')} ranks, {summary.get('precision')}"),
+        ("layout", f"{layout} on {summary.get('world_size')} ranks, {summary.get('precision')}"),
         ("train loss", _pair(summary.get("first_logged_loss"), summary.get("final_train_loss"))),
         ("val loss", _maybe(summary.get("final_val_loss"), short_number)),
         ("tokens/s (mean)", _maybe(mean("tokens_per_s"), si_number)),
@@ -84,7 +85,8 @@ def summary_table(summary: dict[str, Any], run_dir: str) -> str:
 
 
 def _maybe(value: float | None, show: Any) -> str:
-    return "-" if value is None else show(value)
+    """``show(value)``, or ``-`` for a value with nothing measured (None, or NaN: no validation before a stop)."""
+    return "-" if value is None or not math.isfinite(value) else show(value)
 
 
 def _pair(first: float | None, last: float | None) -> str:

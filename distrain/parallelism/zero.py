@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,9 @@ class ZeroStrategy:
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         deepspeed = import_deepspeed(ctx.env.device.type)
+        # DeepSpeed's ZeRO step calls a torch collective that torch deprecates; the warning is DeepSpeed's to act
+        # on, and printed by every rank it only hides the run's own lines.
+        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
         self.ctx, self.device, self.spec = ctx, ctx.env.device, spec_of(model)
         optimizer = ctx.build_optimizer(model.named_parameters())
         muon = isinstance(optimizer, Muon)

@@ -118,6 +118,7 @@ def check_console(printed, run_dir, summary):
     rows = {row.split("  ")[1].strip(): row.split("  ", 2)[2].strip() for row in table[1:] if row.startswith("  ")}
     assert rows["run directory"] == str(run_dir.resolve()) and rows["steps"] == "200"
     assert rows["val loss"] == f"{summary['final_val_loss']:.4g}"
+    assert rows["layout"] == f"ddp on {summary['world_size']} ranks, fp32" and summary["layout"] == "ddp"
 
 
 def test_entry_point_is_a_thin_shim_that_spawned_ranks_can_rerun():

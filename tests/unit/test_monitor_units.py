@@ -1,5 +1,7 @@
 """Units of monitoring: the GPU peak table, the step split, statistics, W&B mode and run-id choice."""
 
+import re
+
 import pytest
 import torch
 
@@ -85,3 +87,14 @@ def test_a_console_line_survives_missing_and_non_finite_metrics():
     assert line == "step 3/10 | loss nan | mfu 25.0%"
     full = {"step": 10, "loss": 4.6227, "lr": 1.65e-3, "grad_norm": 4.08, "tokens_per_s": 15313.0, "step_time_s": 0.13}
     assert step_line(full, 200) == "step 10/200 | loss 4.623 | lr 1.65e-03 | grad 4.08 | 15.3k tok/s | eta 0:00:24"
+
+
+def test_the_summary_table_names_the_zero_stage_and_shows_no_nan():
+    """A run stopped before its first validation has no validation loss: the table shows '-', not nan."""
+    from distrain.logger.console import summary_table
+
+    summary = {"steps": 5, "stopped_by": "SIGTERM", "layout": "zero stage 3", "world_size": 2, "precision": "bf16"}
+    table = summary_table(summary | {"final_val_loss": float("nan"), "final_train_loss": 3.5}, "/runs/a")
+    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in table.splitlines()[1:])
+    assert rows["layout"] == "zero stage 3 on 2 ranks, bf16"
+    assert rows["val loss"] == "-" and rows["train loss"] == "3.5" and rows["steps"] == "5 (stopped by SIGTERM)"
