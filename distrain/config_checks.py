@@ -13,7 +13,17 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={value!r} is not allowed: {allowed}")
+        super().__init__(f"{key}={shown(value)} is not allowed: {allowed}")
+
+
+def shown(value: Any) -> str:
+    """A config value as a refusal line shows it: true/false/null as typed on the command line (YAML), strings
+    quoted (so ``'1'``, a string, reads apart from ``1``), everything else as Python writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
 
 
 def check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -> None:

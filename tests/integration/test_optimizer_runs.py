@@ -46,7 +46,7 @@ lr_multipliers:
     [
         (
             ["optimizer=muon", "parallelism=zero", "optimizer.nesterov=false"],
-            "optimizer.nesterov=False is not allowed: true with optimizer=muon parallelism=zero (DeepSpeed's Muon)",
+            "optimizer.nesterov=false is not allowed: true with optimizer=muon parallelism=zero (DeepSpeed's Muon)",
         ),
         (["optimizer=two_globs"], "'*.weight' is not allowed: parameter blocks.0.attn_norm.weight is also named by"),
     ],

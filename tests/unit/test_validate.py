@@ -229,3 +229,13 @@ def test_dry_run_accepts_valid_64_rank_jobs(overrides):
         parameters = sum(p.numel() for p in instantiate(cfg.model).parameters())
     assert report.target.world_size == 64 and report.model_parameters == parameters and report.fits
     assert all(0 < row.model_state < report.target.device_memory_bytes for row in report.ranks)
+
+
+def test_a_refusal_shows_values_as_they_are_typed_on_the_command_line():
+    """``true``/``false``/``null`` as in an override, not Python's ``True``/``None``; strings stay quoted."""
+    from distrain.config_checks import ConfigError
+
+    assert str(ConfigError("optimizer.nesterov", False, "true")) == "optimizer.nesterov=false is not allowed: true"
+    assert str(ConfigError("target.nodes", None, "a count")) == "target.nodes=null is not allowed: a count"
+    assert str(ConfigError("comm", "topk", "default")) == "comm='topk' is not allowed: default"
+    assert str(ConfigError("trainer.max_steps", 0, "> 0")) == "trainer.max_steps=0 is not allowed: > 0"
