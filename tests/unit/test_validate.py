@@ -233,8 +233,6 @@ def test_dry_run_accepts_valid_64_rank_jobs(overrides):
 
 def test_a_refusal_shows_values_as_they_are_typed_on_the_command_line():
     """``true``/``false``/``null`` as in an override, not Python's ``True``/``None``; strings stay quoted."""
-    from distrain.config_checks import ConfigError
-
     assert str(ConfigError("optimizer.nesterov", False, "true")) == "optimizer.nesterov=false is not allowed: true"
     assert str(ConfigError("target.nodes", None, "a count")) == "target.nodes=null is not allowed: a count"
     assert str(ConfigError("comm", "topk", "default")) == "comm='topk' is not allowed: default"
