@@ -13,10 +13,10 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}={shown(value)} is not allowed: {allowed}")
+        super().__init__(f"{key}={as_typed(value)} is not allowed: {allowed}")
 
 
-def shown(value: Any) -> str:
+def as_typed(value: Any) -> str:
     """A config value as a refusal line shows it: true/false/null as typed on the command line (YAML), strings
     quoted (so ``'1'``, a string, reads apart from ``1``), everything else as Python writes it."""
     if value is None:

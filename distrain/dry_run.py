@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from distrain.dist import resolve_device_type
 from distrain.launch import default_nproc_per_node
+from distrain.parallelism.describe import degree_items, mesh_line
 from distrain.parallelism.hybrid import MeshDegrees
 from distrain.parallelism.memory import optimizer_state_bytes_per_param
 from distrain.parallelism.planning import RankMemory, Workload, mesh_degrees, predict_rank_memory
@@ -81,7 +82,7 @@ class DryRunReport:
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
             "steps_per_epoch": self.steps_per_epoch,
-            "mesh": None if self.mesh is None else _degrees(self.mesh),
+            "mesh": None if self.mesh is None else degree_items(self.mesh),
             "ranks": [row.as_dict() for row in self.ranks],
             "fits": self.fits,
         }
@@ -96,7 +97,7 @@ class DryRunReport:
             f"model: {self.model_parameters / 1e6:,.1f} M parameters; data-parallel replicas: {self.data_parallel}; "
             f"global batch: {self.global_batch_size} sequences = {self.tokens_per_step:,} tokens per step; "
             f"{self.steps_per_epoch:,} steps per epoch",
-            *([] if self.mesh is None else [_mesh_line(self.mesh)]),
+            *([] if self.mesh is None else [mesh_line(self.mesh)]),
             f"predicted memory per rank ({unit_name}) against {t.device_memory_bytes / GIB:.1f} GiB per device:",
             f"  {'ranks':<44} {'params':>8} {'grads':>8} {'optim':>8} {'gathered':>9} {'activ':>8} {'buffers':>8} "
             f"{'total':>8}  fits",
@@ -113,18 +114,6 @@ class DryRunReport:
             "other strategies' communication buffers and the CUDA context come on top)"
         )
         return "\n".join(lines)
-
-
-def _degrees(mesh: MeshDegrees) -> dict[str, int]:
-    return {"dp_replicate": mesh.replicate, "dp": mesh.dp, "cp": mesh.cp, "tp": mesh.tp, "pp": mesh.pp, "ep": mesh.ep}
-
-
-def _mesh_line(mesh: MeshDegrees) -> str:
-    """The degrees as the report prints them: the axes whose product is the world size, then ep, a split of dp."""
-    axes = {axis: size for axis, size in _degrees(mesh).items() if axis != "ep"}
-    ranks = mesh.replicate * mesh.dp * mesh.cp * mesh.tp * mesh.pp
-    product = " x ".join(f"{axis} {size}" for axis, size in axes.items())
-    return f"mesh: {product} = {ranks} ranks; ep {mesh.ep} (of the dp ranks, splitting the experts)"
 
 
 def resolve_target(cfg: DictConfig) -> Target:

@@ -111,7 +111,7 @@ class _Loop:
     device: torch.device
     skipped_steps: int = 0
     logged_losses: list[float] = field(default_factory=list)
-    val_loss: float = float("nan")
+    val_loss: float | None = None  # None until the first validation (a run stopped before it has none)
 
 
 def train(

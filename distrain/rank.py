@@ -27,6 +27,7 @@ from distrain.launch import resume_setting
 from distrain.loop import TrainState, loop_state, restore_loop_state, train
 from distrain.monitor.profiler import StepProfiler
 from distrain.parallelism.compile import compile_report
+from distrain.parallelism.describe import layout_description
 from distrain.parallelism.memory import predicted_state_for_summary
 from distrain.preemption import StopRequest
 
@@ -122,22 +123,13 @@ def train_run(cfg: DictConfig, env: DistEnv, run: RankRun, state: TrainState, ru
     return summary | run_facts(cfg, env, run)
 
 
-def layout_description(cfg: DictConfig, strategy: object) -> str:
-    """The layout as the run summary states it: ``zero stage 2``, ``hsdp (dp_replicate 2 x dp 2)``, ``ddp``."""
-    name = cfg.parallelism.name
-    if name == "zero":
-        return f"zero stage {cfg.parallelism.stage}"
-    degrees = getattr(strategy, "degrees", None)  # a mesh layout's, resolved at setup
-    return f"{name} ({degrees.describe()})" if degrees is not None else name
-
-
 def run_facts(cfg: DictConfig, env: DistEnv, run: RankRun) -> dict[str, Any]:
     """What ``summary.json`` states beside the loop's results: layout, batch, predicted memory, compile report and
     nodes. Collective: one all_gather_object of the host names."""
     facts = {
         "world_size": env.world_size,
         "parallelism": run.strategy.name,
-        "layout": layout_description(cfg, run.strategy),
+        "layout": layout_description(cfg.parallelism, run.strategy),
         "precision": cfg.precision.name,
         "model_parameters": run.model_parameters,
         **run.data.sampler.batch_settings(),

@@ -23,7 +23,7 @@ from distrain.checkpoint.checkpointer import (
     uses_checkpoint_dir,
 )
 from distrain.checkpoint.lock import CheckpointDirLock
-from distrain.config_checks import ConfigError
+from distrain.config_checks import ConfigError, as_typed
 
 log = logging.getLogger("distrain.train")
 # Optimizer settings a checkpoint's optimizer state carries (per parameter group): a resumed run keeps the saved ones.
@@ -130,7 +130,8 @@ def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
     for key, value in OmegaConf.to_container(cfg.model, resolve=True).items():
         # Regularisation may change on resume (fine-tuning); what shapes or names the parameters may not.
         if key != "dropout" and key in saved.model and saved.model[key] != value:
-            raise ConfigError(f"model.{key}", value, f"{saved.model[key]!r} {where} (it resumes the model it holds)")
+            saved_value = as_typed(saved.model[key])
+            raise ConfigError(f"model.{key}", value, f"{saved_value} {where} (it resumes the model it holds)")
     if saved.optimizer._target_ != cfg.optimizer._target_:
         saved_name = saved.optimizer._target_.rsplit(".", 1)[1]
         raise ConfigError("optimizer", cfg.optimizer._target_.rsplit(".", 1)[1], f"{saved_name} {where}")

@@ -85,8 +85,7 @@ def summary_table(summary: dict[str, Any], run_dir: str) -> str:
 
 
 def _maybe(value: float | None, show: Any) -> str:
-    """``show(value)``, or ``-`` for a value with nothing measured (None, or NaN: no validation before a stop)."""
-    return "-" if value is None or not math.isfinite(value) else show(value)
+    return "-" if value is None else show(value)
 
 
 def _pair(first: float | None, last: float | None) -> str:

@@ -111,12 +111,6 @@ class MeshDegrees:
         """Ranks reading different data: the replicas times the ranks sharding each."""
         return self.replicate * self.dp
 
-    def describe(self) -> str:
-        """The degrees above 1, e.g. ``dp_replicate 2 x dp 2`` (``dp 1`` when every degree is 1)."""
-        axes = (("pp", self.pp), ("dp_replicate", self.replicate), ("dp", self.dp), ("ep", self.ep))
-        axes += (("cp", self.cp), ("tp", self.tp))
-        return " x ".join(f"{name} {degree}" for name, degree in axes if degree > 1) or "dp 1"
-
 
 def build_mesh(degrees: MeshDegrees, device_type: str, dp_mode: str = "fsdp") -> DeviceMesh:
     """The (pp, dp, tp) mesh over all ranks (collective: creates one process group per axis slice). With

@@ -151,9 +151,11 @@ class ZeroStrategy:
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
         deepspeed = import_deepspeed(ctx.env.device.type)
-        # DeepSpeed's ZeRO step calls a torch collective that torch deprecates; the warning is DeepSpeed's to act
-        # on, and printed by every rank it only hides the run's own lines.
-        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+        # DeepSpeed's ZeRO steps call torch collectives that torch deprecates (stages 1-2 all_gather_into_tensor,
+        # stage 3 reduce_scatter_tensor); the warning is DeepSpeed's to act on, and printed by every rank it only
+        # hides the run's own lines.
+        deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+        warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
         self.ctx, self.device, self.spec = ctx, ctx.env.device, spec_of(model)
         optimizer = ctx.build_optimizer(model.named_parameters())
         muon = isinstance(optimizer, Muon)

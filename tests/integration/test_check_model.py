@@ -82,7 +82,7 @@ def test_the_readme_example_model_trains_and_checks_as_the_readme_says(readme_mo
     assert done.returncode == 0, done.stdout + done.stderr
     table = rows(done.stdout)
     assert [table[name][3] for name in ("fsdp", "tensor", "pipeline")] == ["pass"] * 3
-    assert table["tensor_sp_lp"][3].startswith("unsupported: parallelism.sequence_parallel=True")
+    assert table["tensor_sp_lp"][3].startswith("unsupported: parallelism.sequence_parallel=true")
     assert "has no sequence_parallel form" in table["tensor_sp_lp"][3]
 
 

@@ -84,7 +84,7 @@ def test_a_users_preset_is_one_config_file_in_their_own_config_dir(tmp_path):
         (["parallelism=fsdp", "parallelism.pp=3"], 2, "parallelism.pp=3"),
         (["parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"], 2, "parallelism.dp=2"),
         (["parallelism=tensor", "precision=fp16"], 2, "precision='fp16'"),
-        (["parallelism=tensor", "parallelism.cpu_offload=true"], 2, "parallelism.cpu_offload=True"),
+        (["parallelism=tensor", "parallelism.cpu_offload=true"], 2, "parallelism.cpu_offload=true"),
     ],
 )
 def test_a_presets_bad_setting_names_the_key_the_user_set(overrides, ranks, key):

@@ -18,6 +18,7 @@ SUMMARY_KEYS = {
     "steps",
     "world_size",
     "parallelism",
+    "layout",
     "wall_time_s",
     "peak_memory_bytes_per_rank",
 }

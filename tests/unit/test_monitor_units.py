@@ -89,12 +89,55 @@ def test_a_console_line_survives_missing_and_non_finite_metrics():
     assert step_line(full, 200) == "step 10/200 | loss 4.623 | lr 1.65e-03 | grad 4.08 | 15.3k tok/s | eta 0:00:24"
 
 
-def test_the_summary_table_names_the_zero_stage_and_shows_no_nan():
-    """A run stopped before its first validation has no validation loss: the table shows '-', not nan."""
+def test_the_summary_table_says_no_validation_apart_from_a_diverged_one():
+    """A run stopped before its first validation has no validation loss ('-'); a diverged one shows nan."""
     from distrain.logger.console import summary_table
 
     summary = {"steps": 5, "stopped_by": "SIGTERM", "layout": "zero stage 3", "world_size": 2, "precision": "bf16"}
-    table = summary_table(summary | {"final_val_loss": float("nan"), "final_train_loss": 3.5}, "/runs/a")
-    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in table.splitlines()[1:])
-    assert rows["layout"] == "zero stage 3 on 2 ranks, bf16"
-    assert rows["val loss"] == "-" and rows["train loss"] == "3.5" and rows["steps"] == "5 (stopped by SIGTERM)"
+
+    def rows(final_val_loss):
+        table = summary_table(summary | {"final_val_loss": final_val_loss, "final_train_loss": 3.5}, "/runs/a")
+        return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in table.splitlines()[1:])
+
+    assert rows(None)["val loss"] == "-" and rows(float("nan"))["val loss"] == "nan"
+    assert rows(None)["layout"] == "zero stage 3 on 2 ranks, bf16" and rows(None)["steps"] == "5 (stopped by SIGTERM)"
+
+
+@pytest.mark.parametrize(
+    "preset, degrees, expected",
+    [
+        ({"name": "ddp"}, None, "ddp"),
+        ({"name": "zero", "stage": 3}, None, "zero stage 3"),
+        (
+            {"name": "hsdp", "dp_mode": "fsdp", "fsdp_stage": 3},
+            dict(replicate=2, dp=2),
+            "hsdp (dp_replicate 2 x dp 2, fsdp stage 3)",
+        ),
+        ({"name": "fsdp", "dp_mode": "fsdp", "fsdp_stage": 2}, dict(dp=4), "fsdp (dp 4, fsdp stage 2)"),
+        (
+            {"name": "hybrid", "dp_mode": "replicate", "fsdp_stage": 3},
+            dict(dp=2, tp=2),
+            "hybrid (dp 2 x tp 2, dp replicated)",
+        ),
+        (
+            {"name": "hybrid", "dp_mode": "fsdp", "fsdp_stage": 3},
+            dict(dp=4, ep=2),
+            "hybrid (dp 4; ep 2 of dp, fsdp stage 3)",
+        ),
+        ({"name": "pipeline", "dp_mode": "fsdp", "fsdp_stage": 3}, dict(pp=2), "pipeline (pp 2)"),
+        ({"name": "hybrid", "dp_mode": "fsdp", "fsdp_stage": 3}, dict(cp=2), "hybrid (cp 2, fsdp stage 3)"),
+    ],
+)
+def test_the_layout_line_names_the_degrees_whose_product_is_the_world_and_how_dp_holds_the_model(
+    preset, degrees, expected
+):
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from distrain.parallelism.describe import layout_description
+    from distrain.parallelism.hybrid import MeshDegrees
+
+    mesh = None if degrees is None else MeshDegrees(**{"pp": 1, "dp": 1, "tp": 1} | degrees)
+    strategy = SimpleNamespace() if mesh is None else SimpleNamespace(degrees=mesh)
+    assert layout_description(OmegaConf.create(preset), strategy) == expected
