@@ -147,6 +147,13 @@ def _single_rank_env() -> Iterator[None]:
                 os.environ[key] = value
 
 
+class _RoutineStopFilter(logging.Filter):
+    """Drops the elastic agent's "Received <signal> death signal, shutting down workers" warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "death signal" not in str(record.msg)
+
+
 def run_ranks(
     entrypoint: Callable[..., Any],
     args: tuple[Any, ...],
@@ -193,4 +200,8 @@ def run_ranks(
     # The agent logs each failed worker's traceback; the caller reports failures itself (one line for a known
     # cause, the failing rank's traceback otherwise), so the agent's copy would only bury that report.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # A forwarded stop signal is routine here (the ranks checkpoint and the caller says so in one line).
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    if not any(isinstance(f, _RoutineStopFilter) for f in agent_log.filters):
+        agent_log.addFilter(_RoutineStopFilter())
     return elastic_launch(config, _worker_main)(entrypoint, *args)

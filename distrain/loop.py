@@ -228,12 +228,13 @@ def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool
         loop.reporter.log({"step": state.step, **loop.window.close(), "lr": strategy.current_lr()})
     if checkpointer.last_saved_step != state.step:
         checkpointer.save(state.step, strategy, loop_state(state, loop.data))
-    log.warning(
-        "stopping at step %d on %s; checkpoint saved in %s",
-        state.step,
-        loop.agreement.stop.signal_name,
-        checkpointer.dir,
-    )
+    if loop.reporter.enabled:  # one line for the run: every rank stopped at this step and saved its part
+        log.warning(
+            "stopping at step %d on %s; checkpoint saved in %s",
+            state.step,
+            loop.agreement.stop.signal_name,
+            checkpointer.dir,
+        )
     return True
 
 

@@ -198,6 +198,9 @@ def test_stop_signal_checkpoints_at_a_step_boundary_and_exits_for_requeue(tmp_pa
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr
     assert f"stopped by {signal_name}" in stderr
+    # the hint continues the run in its own directory, so its summary and metrics cover the whole run
+    assert f"continue with checkpoint.resume=auto hydra.run.dir={(tmp_path / 'run').resolve()} " in stderr, stderr
+    assert stderr.count(f"on {signal_name}; checkpoint saved") == 1 and "death signal" not in stderr, stderr
     # The ranks exit by themselves once checkpointed, not when the launcher's shutdown timeout SIGKILLs them.
     assert "forcefully exiting" not in stderr, stderr
     (checkpoint,) = sorted((tmp_path / "run" / "checkpoints").iterdir())
