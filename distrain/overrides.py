@@ -9,7 +9,9 @@ what is allowed (train.py then exits 2).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
+import typing
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -48,6 +50,12 @@ def quote_group_options(argv: list[str], config_dir: Path = CONF_DIR) -> list[st
     return quoted
 
 
+def _as_typed(value: str) -> str:
+    """An override's value as a refusal shows it: bare where Hydra reads a number, boolean or null (``2``,
+    ``true``), quoted where it reads a string (``'abc'``), as ``distrain.config_checks.as_typed`` shows values."""
+    return value if _hydra_reads_as_non_string(value) else repr(value)
+
+
 def _hydra_reads_as_non_string(value: str) -> bool:
     if value.strip().lower() in ("true", "false", "null"):
         return True
@@ -75,14 +83,53 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
             value = _override_value(overrides, cause.full_key)
             reason = str(cause).splitlines()[0]
             schema = getattr(cause, "object_type", None)
+            reason = _what_is_allowed(reason, schema, getattr(cause, "key", None))
             if "not in" in reason:
                 known = _one_of(schema) if schema is not None and dataclasses.is_dataclass(schema) else reason
-                reason = _tracker_hint(cause.full_key) or f"no such key ({known})"
-            return f"{cause.full_key}={value!r} is not allowed: {reason}"
+                reason = _tracker_hint(cause.full_key) or f"no such key ({known}){_other_options(cause.full_key)}"
+            return f"{cause.full_key}={_as_typed(value)} is not allowed: {reason}"
         return " ".join(str(err).split())
     except (ValueError, TypeError) as err:  # Hydra's own type errors (a group option that is not a name)
         return " ".join(str(err).split())
     return _added_to_a_schema(cfg, overrides)
+
+
+def _what_is_allowed(reason: str, schema: type | None, name: object) -> str:
+    """OmegaConf's message for a value of the wrong type, said as what the key takes ("an integer", "one of ...")."""
+    listed = re.search(r"expected one of \[(.*)\]", reason)
+    if listed:
+        return f"one of {listed[1]}"
+    if "is not Optional" in reason:
+        return f"{_type_in_words(schema, name)}, not null"
+    for phrase, words in (("to Integer", "an integer"), ("to Float", "a number"), ("valid bool", "true or false")):
+        if phrase in reason:
+            return words
+    return reason
+
+
+def _type_in_words(schema: type | None, name: object) -> str:
+    """The schema's type of field ``name`` as a refusal says it (e.g. "an integer"), or "a value"."""
+    if schema is None or not dataclasses.is_dataclass(schema) or not isinstance(name, str):
+        return "a value"
+    kind = typing.get_type_hints(schema).get(name)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return f"one of {', '.join(member.name for member in kind)}"
+    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return words.get(kind, "a value")  # type: ignore[arg-type]
+
+
+def _other_options(full_key: str, config_dir: Path = CONF_DIR) -> str:
+    """``; it is a key of parallelism=fsdp, hsdp, ...`` when ``group.key`` belongs to other options of the group
+    (``parallelism.tp`` under ``parallelism=ddp``); empty otherwise."""
+    group, _, key = full_key.partition(".")
+    if group not in SCHEMAS or "." in key:
+        return ""
+    owners = []
+    for option in sorted((config_dir / group).glob("*.yaml")):
+        schema = re.search(rf"/schema/{group}/(\w+)@", option.read_text())
+        if schema and key in _fields(SCHEMAS[group].get(schema[1], object)):
+            owners.append(option.stem)
+    return f"; it is a key of {group}={', '.join(owners)}" if owners else ""
 
 
 def _tracker_hint(full_key: str) -> str | None:
@@ -115,11 +162,13 @@ def _added_to_a_schema(cfg: DictConfig, overrides: list[str]) -> str | None:
         if schema is not None and dataclasses.is_dataclass(schema):
             if name not in _fields(schema):
                 where = parent_key or "the config"
-                return f"{key}={value!r} is not allowed: no such key in {where} ({_one_of(schema)})"
+                return f"{key}={_as_typed(value)} is not allowed: no such key in {where} ({_one_of(schema)})"
     return None
 
 
 def _fields(schema: type) -> list[str]:
+    if not dataclasses.is_dataclass(schema):
+        return []
     return [field.name for field in dataclasses.fields(schema) if not field.name.startswith("_")]
 
 
