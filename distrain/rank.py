@@ -130,6 +130,8 @@ def run_facts(cfg: DictConfig, env: DistEnv, run: RankRun) -> dict[str, Any]:
         "world_size": env.world_size,
         "parallelism": run.strategy.name,
         "layout": layout_description(cfg.parallelism, run.strategy),
+        "comm": cfg.comm.name,
+        "optimizer": cfg.optimizer._target_.rsplit(".", 1)[1],
         "precision": cfg.precision.name,
         "model_parameters": run.model_parameters,
         **run.data.sampler.batch_settings(),

@@ -258,6 +258,20 @@ def hybrid_degrees(
     )
 
 
+def single_copy_note(cfg: DictConfig, world_size: int, ranks_per_node: int | None) -> str | None:
+    """One line when ``parallelism=hsdp`` resolves to one copy of the model (all ranks on one node): that is FSDP."""
+    if cfg.parallelism.name != "hsdp" or cfg.parallelism.dp_replicate != -1 or world_size < 4 or world_size % 2:
+        return None
+    degrees = hybrid_degrees(cfg, world_size, ranks_per_node)
+    if degrees.replicate > 1:
+        return None
+    return (
+        f"parallelism=hsdp keeps one copy per node, and these {world_size} ranks are one node: the model is sharded "
+        f"over all of them, as parallelism=fsdp would (parallelism.dp_replicate=2 parallelism.dp={world_size // 2} "
+        "makes two copies on this machine)"
+    )
+
+
 def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> None:
     """Degrees against the world size, then the tensor and pipeline rules for their own axes (the resolved degrees:
     a preset's -1 is the rest of the world size)."""

@@ -67,6 +67,8 @@ def summary_table(summary: dict[str, Any], run_dir: str) -> str:
     peaks = [peak for peak in summary.get("peak_memory_bytes_per_rank") or [] if peak is not None]
     stopped = f" (stopped by {summary['stopped_by']})" if summary.get("stopped_by") else ""
     layout = summary.get("layout", summary.get("parallelism"))
+    if summary.get("comm") not in (None, "default"):  # how gradients travelled, when not the plain all-reduce
+        layout += f" with comm={summary['comm']}"
     rows = [
         ("steps", f"{summary.get('steps')}{stopped}"),
         ("layout", f"{layout} on {summary.get('world_size')} ranks, {summary.get('precision')}"),

@@ -19,6 +19,8 @@ SUMMARY_KEYS = {
     "world_size",
     "parallelism",
     "layout",
+    "comm",
+    "optimizer",
     "wall_time_s",
     "peak_memory_bytes_per_rank",
 }

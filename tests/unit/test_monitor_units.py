@@ -100,6 +100,9 @@ def test_the_summary_table_says_no_validation_apart_from_a_diverged_one():
         return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in table.splitlines()[1:])
 
     assert rows(None)["val loss"] == "-" and rows(float("nan"))["val loss"] == "nan"
+    summary |= {"layout": "ddp", "comm": "topk"}
+    assert rows(None)["layout"] == "ddp with comm=topk on 2 ranks, bf16"
+    summary |= {"layout": "zero stage 3", "comm": "default"}
     assert rows(None)["layout"] == "zero stage 3 on 2 ranks, bf16" and rows(None)["steps"] == "5 (stopped by SIGTERM)"
 
 
