@@ -107,12 +107,19 @@ def run(cfg: DictConfig) -> float | None:
                 file=sys.stderr,
             )
             return None
-        # how to continue after a graceful stop: in the same run directory (one summary and metrics file for the
-        # whole run) unless the checkpoints live elsewhere by choice
-        same_run = (
-            f"checkpoint.dir={checkpoint_dir}" if cfg.checkpoint.dir else f"hydra.run.dir={Path(run_dir).resolve()}"
-        )
-        return launch(cfg, plan, (cfg_dict, run_dir, run_name, run_group(hydra_cfg)), same_run)
+        resume = resume_override(cfg, hydra_cfg, run_dir, checkpoint_dir)
+        return launch(cfg, plan, (cfg_dict, run_dir, run_name, run_group(hydra_cfg)), resume)
+
+
+def resume_override(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: str, checkpoint_dir: str) -> str:
+    """What continues this run after a graceful stop (besides ``checkpoint.resume=auto``): its run directory, so one
+    summary.json and metrics.jsonl cover the whole run; plus ``checkpoint.dir`` when the user put the checkpoints
+    elsewhere. In a multirun (submitit's SLURM jobs too) ``hydra.run.dir`` does not apply: the checkpoint directory."""
+    checkpoints = f"checkpoint.dir={Path(checkpoint_dir).resolve()}"
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return checkpoints
+    same_run = f"hydra.run.dir={Path(run_dir).resolve()}"
+    return f"{checkpoints} {same_run}" if cfg.checkpoint.dir else same_run
 
 
 def plan_only(cfg: DictConfig, output_dir: str) -> None:
@@ -130,7 +137,7 @@ def plan_only(cfg: DictConfig, output_dir: str) -> None:
         sys.exit(1)
 
 
-def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], same_run: str) -> float | None:
+def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], resume: str) -> float | None:
     """Start the ranks and report how they ended; returns the final validation loss."""
     for stale in Path(rank_args[1]).glob(RUN_ERROR_FILE.format(rank="*")):
         stale.unlink()
@@ -147,10 +154,10 @@ def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], same_r
     except ChildFailedError as err:
         fail(failure_line(err, rank_args[1]) or f"training failed\n{err.format_msg()}")
     except SignalException as err:  # the launcher forwarded the signal; ranks checkpointed at a step boundary
-        stopped(err.sigval.name, same_run, cfg.distributed.max_requeues)
+        stopped(err.sigval.name, resume, cfg.distributed.max_requeues)
     summary = results.get(0) or next(iter(results.values()), None)  # a SLURM task holds only its own rank
     if summary and summary["stopped_by"]:
-        stopped(summary["stopped_by"], same_run, cfg.distributed.max_requeues)
+        stopped(summary["stopped_by"], resume, cfg.distributed.max_requeues)
     return summary["final_val_loss"] if summary else None
 
 
@@ -185,18 +192,19 @@ def run_group(hydra_cfg: DictConfig) -> str | None:
     return f"slurm-{slurm_job}" if slurm_job else None
 
 
-def stopped(signal_name: str, same_run: str, max_requeues: int) -> NoReturn:
-    """After a graceful stop: in a SLURM job, rank 0 requeues it (up to ``max_requeues`` times); exit 143.
-    ``same_run``: the override that finds the checkpoints again (the run directory, or ``checkpoint.dir``)."""
+def stopped(signal_name: str, resume: str, max_requeues: int) -> NoReturn:
+    """After a graceful stop: in a SLURM job, rank 0 requeues it (up to ``max_requeues`` times); exit 143. The
+    first process of the job (the only one under train.py's own launcher) says how to continue (``resume``)."""
     if in_slurm_job() and launcher_rank() == 0:
         if slurm_restart_count() < max_requeues:
             print(f"distrain: requeueing SLURM job {os.environ['SLURM_JOB_ID']}", file=sys.stderr)
             requeue_slurm_job()
         else:
             print(f"distrain: not requeued: distributed.max_requeues={max_requeues} reached", file=sys.stderr)
-    print(
-        f"distrain: stopped by {signal_name} after checkpointing; continue with checkpoint.resume=auto {same_run} "
-        f"(exit status {REQUEUE_EXIT_CODE}: requeue)",
-        file=sys.stderr,
-    )
+    if launcher_rank() == 0:  # under torchrun or SLURM tasks, every process gets here; the others' paths differ
+        print(
+            f"distrain: stopped by {signal_name} after checkpointing; continue with checkpoint.resume=auto {resume} "
+            f"(exit status {REQUEUE_EXIT_CODE}: requeue)",
+            file=sys.stderr,
+        )
     sys.exit(REQUEUE_EXIT_CODE)

@@ -15,11 +15,13 @@ import typing
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from distrain.config import SCHEMAS, register_configs
+from distrain.config_checks import as_typed
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -51,9 +53,12 @@ def quote_group_options(argv: list[str], config_dir: Path = CONF_DIR) -> list[st
 
 
 def _as_typed(value: str) -> str:
-    """An override's value as a refusal shows it: bare where Hydra reads a number, boolean or null (``2``,
-    ``true``), quoted where it reads a string (``'abc'``), as ``distrain.config_checks.as_typed`` shows values."""
-    return value if _hydra_reads_as_non_string(value) else repr(value)
+    """An override's value as a refusal shows it: as Hydra reads it, shown like every refusal's value
+    (``distrain.config_checks.as_typed``: ``2``, ``true``, ``null``, ``'abc'``)."""
+    try:
+        return as_typed(OverridesParser.create().parse_overrides([f"key={value}"])[0].value())
+    except (OverrideParseException, ValueError):
+        return repr(value)
 
 
 def _hydra_reads_as_non_string(value: str) -> bool:
@@ -86,12 +91,13 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
             reason = _what_is_allowed(reason, schema, getattr(cause, "key", None))
             if "not in" in reason:
                 known = _one_of(schema) if schema is not None and dataclasses.is_dataclass(schema) else reason
-                reason = _tracker_hint(cause.full_key) or f"no such key ({known}){_other_options(cause.full_key)}"
+                hint = _other_options(cause.full_key, config_dir)
+                reason = _tracker_hint(cause.full_key) or f"no such key ({known}){hint}"
             return f"{cause.full_key}={_as_typed(value)} is not allowed: {reason}"
         return " ".join(str(err).split())
     except (ValueError, TypeError) as err:  # Hydra's own type errors (a group option that is not a name)
         return " ".join(str(err).split())
-    return _added_to_a_schema(cfg, overrides)
+    return _added_to_a_schema(cfg, overrides, config_dir)
 
 
 def _what_is_allowed(reason: str, schema: type | None, name: object) -> str:
@@ -99,6 +105,8 @@ def _what_is_allowed(reason: str, schema: type | None, name: object) -> str:
     listed = re.search(r"expected one of \[(.*)\]", reason)
     if listed:
         return f"one of {listed[1]}"
+    if "is not a ListConfig" in reason:
+        return "a list, e.g. [a,b]"
     if "is not Optional" in reason:
         return f"{_type_in_words(schema, name)}, not null"
     for phrase, words in (("to Integer", "an integer"), ("to Float", "a number"), ("valid bool", "true or false")):
@@ -112,13 +120,15 @@ def _type_in_words(schema: type | None, name: object) -> str:
     if schema is None or not dataclasses.is_dataclass(schema) or not isinstance(name, str):
         return "a value"
     kind = typing.get_type_hints(schema).get(name)
+    if typing.get_origin(kind) in (list, tuple):
+        return "a list"
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return f"one of {', '.join(member.name for member in kind)}"
     words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     return words.get(kind, "a value")  # type: ignore[arg-type]
 
 
-def _other_options(full_key: str, config_dir: Path = CONF_DIR) -> str:
+def _other_options(full_key: str, config_dir: Path) -> str:
     """``; it is a key of parallelism=fsdp, hsdp, ...`` when ``group.key`` belongs to other options of the group
     (``parallelism.tp`` under ``parallelism=ddp``); empty otherwise."""
     group, _, key = full_key.partition(".")
@@ -126,7 +136,7 @@ def _other_options(full_key: str, config_dir: Path = CONF_DIR) -> str:
         return ""
     owners = []
     for option in sorted((config_dir / group).glob("*.yaml")):
-        schema = re.search(rf"/schema/{group}/(\w+)@", option.read_text())
+        schema = re.search(rf"/schema/{group}/(\w+)@(_here_|{group})\b", option.read_text())
         if schema and key in _fields(SCHEMAS[group].get(schema[1], object)):
             owners.append(option.stem)
     return f"; it is a key of {group}={', '.join(owners)}" if owners else ""
@@ -149,7 +159,7 @@ def _tracker_hint(full_key: str) -> str | None:
     return None
 
 
-def _added_to_a_schema(cfg: DictConfig, overrides: list[str]) -> str | None:
+def _added_to_a_schema(cfg: DictConfig, overrides: list[str], config_dir: Path) -> str | None:
     """``+key=value`` adds a key Hydra's struct mode would refuse; under a typed schema nothing would read it (or
     the component it builds would fail on it in every rank), so it is refused like a misspelt key."""
     for override in overrides:
@@ -162,7 +172,8 @@ def _added_to_a_schema(cfg: DictConfig, overrides: list[str]) -> str | None:
         if schema is not None and dataclasses.is_dataclass(schema):
             if name not in _fields(schema):
                 where = parent_key or "the config"
-                return f"{key}={_as_typed(value)} is not allowed: no such key in {where} ({_one_of(schema)})"
+                hint = _other_options(key, config_dir)
+                return f"{key}={_as_typed(value)} is not allowed: no such key in {where} ({_one_of(schema)}){hint}"
     return None
 
 

@@ -131,7 +131,7 @@ def run_facts(cfg: DictConfig, env: DistEnv, run: RankRun) -> dict[str, Any]:
         "parallelism": run.strategy.name,
         "layout": layout_description(cfg.parallelism, run.strategy),
         "comm": cfg.comm.name,
-        "optimizer": cfg.optimizer._target_.rsplit(".", 1)[1],
+        "optimizer": cfg.optimizer._target_.rsplit(".", 1)[-1],
         "precision": cfg.precision.name,
         "model_parameters": run.model_parameters,
         **run.data.sampler.batch_settings(),

@@ -144,7 +144,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     validate_sharding(cfg, device_type)
     if is_mesh_layout(cfg):
         validate_hybrid(cfg, world_size, ranks_per_node=local)
-        if note := single_copy_note(cfg, world_size, local):
+        if not target and (note := single_copy_note(cfg, world_size, local)):
             log.warning(note)
     validate_data_fits(cfg, world_size, local)  # after the degrees are known to be valid
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc, world_size=world_size)

@@ -259,16 +259,20 @@ def hybrid_degrees(
 
 
 def single_copy_note(cfg: DictConfig, world_size: int, ranks_per_node: int | None) -> str | None:
-    """One line when ``parallelism=hsdp`` resolves to one copy of the model (all ranks on one node): that is FSDP."""
-    if cfg.parallelism.name != "hsdp" or cfg.parallelism.dp_replicate != -1 or world_size < 4 or world_size % 2:
+    """One line when ``parallelism=hsdp`` (one copy per node) runs on one node whose ranks could hold two copies:
+    it resolves to one copy, sharded over every dp rank, which is what ``parallelism=fsdp`` does."""
+    if cfg.parallelism.name != "hsdp" or cfg.parallelism.dp_replicate != -1:
+        return None
+    if ranks_per_node is None or ranks_per_node < world_size:  # several nodes: a copy per node, as asked
         return None
     degrees = hybrid_degrees(cfg, world_size, ranks_per_node)
-    if degrees.replicate > 1:
+    model_copy = degrees.tp * degrees.pp * degrees.cp  # the ranks one data-parallel rank's model spans
+    if world_size % (2 * model_copy) or world_size // (2 * model_copy) < 2:  # two sharded copies must fit
         return None
     return (
         f"parallelism=hsdp keeps one copy per node, and these {world_size} ranks are one node: the model is sharded "
-        f"over all of them, as parallelism=fsdp would (parallelism.dp_replicate=2 parallelism.dp={world_size // 2} "
-        "makes two copies on this machine)"
+        f"over all of them, as parallelism=fsdp would (parallelism.dp_replicate=2 "
+        f"parallelism.dp={world_size // (2 * model_copy)} makes two copies on this node)"
     )
 
 

@@ -52,7 +52,7 @@ def test_one_run_one_directory_with_metrics_summary_config_and_checkpoints(tmp_p
     assert result.returncode == 0, result.stderr
     (run_dir,) = run_dirs(tmp_path)
     records, summary = check_run_dir(run_dir, steps=30, world_size=2)
-    assert summary["parallelism"] == "ddp"
+    assert summary["parallelism"] == "ddp" and (summary["comm"], summary["optimizer"]) == ("default", "adamw")
     assert summary["final_train_loss"] < records[0]["loss"] - 0.5
     assert (run_dir / ".hydra" / "config.yaml").read_text().count("max_steps: 30") == 1
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

@@ -246,3 +246,48 @@ def test_a_refusal_shows_values_as_they_are_typed_on_the_command_line():
     assert str(ConfigError("target.nodes", None, "a count")) == "target.nodes=null is not allowed: a count"
     assert str(ConfigError("comm", "topk", "default")) == "comm='topk' is not allowed: default"
     assert str(ConfigError("trainer.max_steps", 0, "> 0")) == "trainer.max_steps=0 is not allowed: > 0"
+
+
+@pytest.mark.parametrize(
+    "overrides, world, per_node, suggested",
+    [
+        ([], 4, 4, "parallelism.dp=2"),
+        ([], 8, 8, "parallelism.dp=4"),
+        (["parallelism.tp=2"], 8, 8, "parallelism.dp=2"),  # 2 copies x dp 2 x tp 2 = 8 ranks
+        ([], 8, 4, None),  # two nodes: a copy per node, as asked
+        (["parallelism.dp_replicate=2", "parallelism.dp=2"], 4, 4, None),  # replication chosen
+        ([], 2, 2, None),  # two copies of one unsharded rank each is DDP, not what hsdp is for
+        (["parallelism.tp=2"], 4, 4, None),
+    ],
+)
+def test_hsdp_on_one_node_says_it_is_fsdp_and_how_to_get_two_copies(overrides, world, per_node, suggested):
+    from distrain.validate_parallelism import single_copy_note
+
+    note = single_copy_note(compose_config(["parallelism=hsdp", *overrides]), world, per_node)
+    if suggested is None:
+        assert note is None, note
+    else:
+        assert note is not None and f"parallelism.dp_replicate=2 {suggested} makes two copies" in note, note
+
+
+@pytest.mark.parametrize(
+    "mode, checkpoint_dir, expected",
+    [
+        ("RUN", None, "hydra.run.dir={run}"),  # one run directory: one summary.json for the whole run
+        ("RUN", "ckpts", "checkpoint.dir={ckpts} hydra.run.dir={run}"),
+        ("MULTIRUN", None, "checkpoint.dir={run}/checkpoints"),  # hydra.run.dir does not apply to a sweep's jobs
+    ],
+)
+def test_the_stop_hint_continues_the_run_where_it_was(tmp_path, monkeypatch, mode, checkpoint_dir, expected):
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from distrain.entry import resume_override
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "outputs" / "run"
+    cfg = OmegaConf.create({"checkpoint": {"dir": checkpoint_dir}})
+    hydra_cfg = OmegaConf.create({"mode": getattr(RunMode, mode)})
+    written = checkpoint_dir or str(run / "checkpoints")
+    hint = resume_override(cfg, hydra_cfg, "outputs/run", written)
+    assert hint == expected.format(run=run, ckpts=tmp_path / "ckpts")
