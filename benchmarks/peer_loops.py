@@ -167,6 +167,10 @@ def lightning(world: int, steps: int, result: Path) -> None:
     )
     loader = torch.utils.data.DataLoader(Windows(), batch_size=MICRO_BATCH)
     trainer.fit(Module(), loader)
+    # Lightning leaves its gloo group up; torn down at interpreter exit, its threads can abort the process
+    # ("terminate called without an active exception", seen once in CI after a finished run).
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def accelerate(world: int, steps: int, result: Path) -> None:
@@ -191,6 +195,7 @@ def accelerate(world: int, steps: int, result: Path) -> None:
         backward=accelerator.backward,
         clip=accelerator.clip_grad_norm_,
     ).write(result, world)
+    accelerator.end_training()  # tears its process group down before exit, as Lightning's above
 
 
 WORKERS = {"minimal": minimal, "lightning": lightning, "accelerate": accelerate}
