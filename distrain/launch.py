@@ -154,6 +154,9 @@ class _RoutineStopFilter(logging.Filter):
         return "death signal" not in str(record.msg)
 
 
+_ROUTINE_STOP = _RoutineStopFilter()
+
+
 def run_ranks(
     entrypoint: Callable[..., Any],
     args: tuple[Any, ...],
@@ -201,7 +204,5 @@ def run_ranks(
     # cause, the failing rank's traceback otherwise), so the agent's copy would only bury that report.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # A forwarded stop signal is routine here (the ranks checkpoint and the caller says so in one line).
-    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
-    if not any(isinstance(f, _RoutineStopFilter) for f in agent_log.filters):
-        agent_log.addFilter(_RoutineStopFilter())
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_ROUTINE_STOP)  # once: same object
     return elastic_launch(config, _worker_main)(entrypoint, *args)

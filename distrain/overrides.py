@@ -13,6 +13,7 @@ import enum
 import re
 import typing
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -55,20 +56,20 @@ def quote_group_options(argv: list[str], config_dir: Path = CONF_DIR) -> list[st
 def _as_typed(value: str) -> str:
     """An override's value as a refusal shows it: as Hydra reads it, shown like every refusal's value
     (``distrain.config_checks.as_typed``: ``2``, ``true``, ``null``, ``'abc'``)."""
+    return as_typed(_hydra_value(value))
+
+
+def _hydra_value(value: str) -> Any:
+    """What Hydra reads an override's ``value`` as (a number, bool, None, list, or a string; the text itself when
+    it does not parse)."""
     try:
-        return as_typed(OverridesParser.create().parse_overrides([f"key={value}"])[0].value())
+        return OverridesParser.create().parse_overrides([f"key={value}"])[0].value()
     except (OverrideParseException, ValueError):
-        return repr(value)
+        return value
 
 
 def _hydra_reads_as_non_string(value: str) -> bool:
-    if value.strip().lower() in ("true", "false", "null"):
-        return True
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return True
+    return not isinstance(_hydra_value(value), str)
 
 
 def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str | None:
