@@ -1,5 +1,5 @@
 """Gradient compression side by side: bytes each rank sends, validation loss, and the quality guard's error, for
-dense DDP, bf16, PowerSGD and top-k (both feedbacks, with and without density warm-up), on one job.
+dense DDP, bf16, PowerSGD and top-k (of the update, and of the gradient with either feedback), on one job.
 
 Runs `train.py` once per option on the default model and data (the out-of-the-box run), 2 CPU ranks unless told
 otherwise, and reads each run's summary.json and metrics.jsonl. Bytes are distrain's ``grad_bytes_sent`` (the
@@ -27,8 +27,10 @@ OPTIONS = {
     "bf16": ["comm=bf16"],
     "powersgd rank 4": ["comm=powersgd", "comm.rank=4"],
     "powersgd rank 1": ["comm=powersgd", "comm.rank=1"],
-    "top-k 1% (estimate, the default)": ["comm=topk", "comm.density=0.01"],
-    "top-k 2% (estimate)": ["comm=topk", "comm.density=0.02"],
+    "top-k 1% (update, the default)": ["comm=topk", "comm.density=0.01"],
+    "top-k 1% (update), no sync": ["comm=topk", "comm.density=0.01", "comm.sync_every=0"],
+    "top-k 2% (update), no sync": ["comm=topk", "comm.density=0.02", "comm.sync_every=0"],
+    "top-k 1% (estimate)": ["comm=topk", "comm.density=0.01", "comm.feedback=estimate"],
     "top-k 1% (residual)": ["comm=topk", "comm.density=0.01", "comm.feedback=residual"],
     "top-k 1% (residual), 100-step warm-up from dense": [
         "comm=topk",
@@ -37,7 +39,7 @@ OPTIONS = {
         "comm.warmup_steps=100",
         "comm.warmup_start_density=1.0",
     ],
-    "top-k 0.1% (estimate)": ["comm=topk", "comm.density=0.001"],
+    "top-k 0.1% (update), no sync": ["comm=topk", "comm.density=0.001", "comm.sync_every=0"],
 }
 
 

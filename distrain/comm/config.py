@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from distrain.choices import choices
 
 CommDtype = choices("CommDtype", "bfloat16", "float16")
-TopKFeedback = choices("TopKFeedback", "estimate", "residual")
+TopKFeedback = choices("TopKFeedback", "update", "estimate", "residual")
 
 
 @dataclass(kw_only=True)
@@ -53,14 +53,16 @@ class PowerSGDCommConfig(CompressedCommConfig):
 
 @dataclass(kw_only=True)
 class TopKCommConfig(CompressedCommConfig):
-    """Top-k sparsification with feedback: each rank sends only the ``density`` fraction that changed most."""
+    """Top-k sparsification with error feedback: each rank sends only the ``density`` fraction of entries that
+    matter most, of its optimizer update (``feedback=update``) or of its gradient (``estimate``, ``residual``)."""
 
-    _target_: str = "distrain.comm.topk.TopKComm"
+    _target_: str = "distrain.comm.topk_update.topk_comm"
     name: str = "topk"
-    density: float = 0.01  # fraction of gradient entries sent per step, in (0, 1]
-    feedback: TopKFeedback = (
-        TopKFeedback.estimate
-    )  # estimate (EF21: for Adam-type optimizers) | residual (classic EF: for SGD)
+    density: float = 0.01  # fraction of entries sent per step, in (0, 1]
+    # update: top-k of each rank's optimizer update (any optimizer) | estimate: EF21 on gradients |
+    # residual: classic error feedback on gradients (sound for SGD)
+    feedback: TopKFeedback = TopKFeedback.update
+    sync_every: int = 50  # update only: all-reduce the whole unsent residual every N steps; 0: never
     warmup_steps: int = 0  # density decays exponentially from warmup_start_density to density over these steps
     warmup_start_density: float = 0.25
     momentum: float = 0.0  # residual only: momentum correction (then optimizer=sgd optimizer.momentum=0)

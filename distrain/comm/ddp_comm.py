@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -36,6 +37,11 @@ class DDPComm:
     bytes a dense fp32 ring all-reduce would have sent, and each bucket's (launch, done) timestamps, from which
     the logging window derives communication time and how much of it backward hid.
     """
+
+    # True when each rank's optimizer steps on its own gradient and the option exchanges the resulting updates
+    # (``comm=topk comm.feedback=update``): the strategy then clips with a norm all ranks share, keeps the
+    # optimizer's state per rank, and calls ``begin_update``/``finish_update`` around the optimizer step.
+    local_steps = False
 
     def __init__(self, *, name: str, bucket_cap_mb: float, gradient_as_bucket_view: bool, static_graph: bool) -> None:
         self.name = name
@@ -117,6 +123,19 @@ class DDPComm:
         if not self.registered:
             return {}
         return {"comm_bytes": self.bytes_sent, "comm_dense_bytes": self.dense_bytes, "comm_intervals": self.intervals}
+
+    def gradient_point(self) -> AbstractContextManager[None]:
+        """Entered around the step's forward and backward passes: where the gradient is taken (here: at the
+        parameters as they are)."""
+        return nullcontext()
+
+    def begin_update(self) -> None:
+        """Called just before the optimizer step (``local_steps`` options only)."""
+
+    def finish_update(self) -> dict[str, Any]:
+        """Called just after the optimizer step (``local_steps`` options only): exchange the ranks' updates so
+        every rank holds the same parameters again; returns entries for the step's report."""
+        return {}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Per-rank state a checkpoint must keep for an exact resume (error feedback residuals); live tensors, so

@@ -1,4 +1,6 @@
-"""``comm=topk``: top-k sparsification of the gradient with feedback of what was not sent.
+"""``comm=topk`` on gradients (``feedback=estimate`` or ``residual``): top-k sparsification with feedback of what was
+not sent. The default, top-k of each rank's optimizer update (``feedback=update``), builds on this class in
+``distrain.comm.topk_update``.
 
 Each rank sends only the ``density`` fraction of entries that matter most, as (value, index) pairs in one
 all-gather (fp32 values, int32 indices), which every rank sums in rank order, so all ranks apply identical
@@ -26,14 +28,14 @@ from distrain.comm.quality import CompressedComm
 from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
 from distrain.dist import DistEnv
 
-FEEDBACKS = ("estimate", "residual")  # the config's TopKFeedback choices
+FEEDBACKS = ("update", "estimate", "residual")  # the config's TopKFeedback choices (update: comm.topk_update)
 Waiting = list[tuple[torch.Tensor, list[str], torch.futures.Future]]
 
 
 class TopKComm(CompressedComm):
-    """Top-k with one of two kinds of feedback (``feedback``).
+    """Top-k of the gradient with one of two kinds of feedback (``feedback``).
 
-    ``estimate`` (the default; EF21, Richtarik et al. 2021): every rank keeps an estimate of its own gradient that
+    ``estimate`` (EF21, Richtarik et al. 2021): every rank keeps an estimate of its own gradient that
     all ranks know, and sends the top-k entries of the *change* (fresh gradient minus estimate). All ranks keep the
     mean of the ranks' estimates and apply it, so every entry of the applied gradient is nonzero every step (the
     latest value sent for it). Adam-type optimizers need that: they normalise each entry by its own history, so
@@ -49,7 +51,7 @@ class TopKComm(CompressedComm):
         density: fraction of the model's gradient entries each rank sends per step, in (0, 1].
         warmup_steps: density decays exponentially from ``warmup_start_density`` to ``density`` over these
             steps (DGC's warm-up); 0 starts at ``density``.
-        feedback: ``estimate`` or ``residual``.
+        feedback: ``estimate`` or ``residual`` (``update``: the subclass ``TopKUpdateComm``).
         momentum: momentum correction (``residual`` only).
 
     Per-rank state (the estimates, or the residual and velocity) lives on the gradient's device, one buffer per

@@ -192,6 +192,19 @@ def scale_to_norm(grads: Sequence[torch.Tensor], squared_norm: torch.Tensor, max
     return norm
 
 
+def clip_local_gradients(parameters: Iterable[nn.Parameter], max_norm: float, world_size: int) -> torch.Tensor:
+    """Clipping when each rank steps on its own gradient (``comm.local_steps``): the norm is the root-mean-square
+    of the ranks' gradient norms, the same on every rank (one all-reduce of a scalar on the default group), so all
+    ranks scale alike and agree on a non-finite norm; the threshold is ``max_norm / sqrt(world_size)`` (Deep
+    Gradient Compression's local clipping: a rank's gradient is noisier than the mean). Returns that norm."""
+    with_grads = [p for p in parameters if p.grad is not None]
+    squared = get_total_norm([p.grad for p in with_grads]).float() ** 2
+    dist.all_reduce(squared)
+    norm = (squared / world_size).sqrt()
+    clip_grads_with_norm_(with_grads, max_norm / world_size**0.5, norm)
+    return norm.detach()
+
+
 class LocalBackwardStrategy:
     """Shared ``train_step`` for strategies where autograd runs on this rank and torch's optimizer steps.
 
@@ -250,13 +263,16 @@ class LocalBackwardStrategy:
         self.ctx.comm.begin_step()
         total_tokens = sum(batch.num_tokens for batch in micro_batches)
         loss_sum = torch.zeros((), device=self.device)
-        for index, batch in enumerate(micro_batches):
-            batch = batch.to(self.device)
-            with self.gradient_sync(index == len(micro_batches) - 1), self.loss_context():
-                with self.ctx.precision.autocast(self.device):
-                    objective, micro_loss = self.spec.objective(self.unwrapped, self.model(batch.inputs), batch.targets)
-                self.scaler.scale(objective / total_tokens).backward()
-            loss_sum += as_tensor(micro_loss.detach())
+        with self.ctx.comm.gradient_point():
+            for index, batch in enumerate(micro_batches):
+                batch = batch.to(self.device)
+                with self.gradient_sync(index == len(micro_batches) - 1), self.loss_context():
+                    with self.ctx.precision.autocast(self.device):
+                        objective, micro_loss = self.spec.objective(
+                            self.unwrapped, self.model(batch.inputs), batch.targets
+                        )
+                    self.scaler.scale(objective / total_tokens).backward()
+                loss_sum += as_tensor(micro_loss.detach())
         self._marks["backward_done"] = self.ctx.clock.mark()
         self._marks |= self.ctx.comm.step_report()
         self._marks["model_metrics"] = self.spec.step_metrics(self.unwrapped)
@@ -271,6 +287,8 @@ class LocalBackwardStrategy:
         self.updating = True
         if not skipped:
             self.scaler.step(self.optimizer)
+            if self.ctx.comm.local_steps:  # every rank holds the same parameters again after this
+                self._marks |= self.ctx.comm.finish_update()
         maybe_inject_fault(self.ctx.env.rank, self.scheduler.last_epoch + 1, point="update")
         self.scaler.update()
         if self._state_bytes is None:  # once: gradients and optimizer state all exist only at this point
@@ -286,6 +304,8 @@ class LocalBackwardStrategy:
         """Unscale, then clip to the global norm; returns the norm before clipping (computed either way)."""
         self.scaler.unscale_(self.optimizer)
         max_norm = self.ctx.grad_clip_norm if self.ctx.grad_clip_norm > 0 else float("inf")
+        if self.ctx.comm.local_steps:
+            return clip_local_gradients(self.model.parameters(), max_norm, self.ctx.env.world_size)
         norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
@@ -304,12 +324,16 @@ class LocalBackwardStrategy:
             raise RuntimeError("model state is measured during the first train_step")
         return self._state_bytes
 
+    def optimizer_key(self) -> str:
+        """The checkpoint key of this rank's optimizer state."""
+        return "optimizer"
+
     def _state_dict(self) -> dict[str, Any]:
         # DCP-ready: DDP's "module." prefix removed; FSDP/TP parameters and optimizer state stay sharded DTensors.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {
             "model": model_state,
-            "optimizer": optimizer_state,
+            self.optimizer_key(): optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
         }
@@ -331,7 +355,9 @@ class LocalBackwardStrategy:
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         state = {**self._state_dict(), "extra": extra}
         dcp.load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner())
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[self.optimizer_key()]
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -45,9 +46,18 @@ class DDPStrategy(LocalBackwardStrategy):
         return nullcontext() if enabled else self.model.no_sync()
 
     def replicas(self) -> dist.ProcessGroup | None:
-        return dist.group.WORLD  # every rank holds every parameter
+        # Every rank holds every parameter; but when each rank's optimizer steps on its own gradient
+        # (comm.local_steps), their updates differ and an optimizer must not share work (Muon) over them.
+        return None if self.ctx.comm.local_steps else dist.group.WORLD
 
     _with_comm_state = True  # whether checkpoints include the comm option's per-rank state
+    _optimizer_source: str | None = None  # during a load: the key this rank's optimizer state is read from
+
+    def optimizer_key(self) -> str:
+        # Under comm.local_steps every rank's optimizer has its own state (it stepped on its own gradients).
+        if self._optimizer_source is not None:
+            return self._optimizer_source
+        return f"optimizer_rank{self.ctx.env.rank}" if self.ctx.comm.local_steps else "optimizer"
 
     def _state_dict(self) -> dict[str, Any]:
         # Compression state (error feedback) differs per rank: each rank saves it under its own key.
@@ -71,9 +81,22 @@ class DDPStrategy(LocalBackwardStrategy):
                 path,
             )
         self._with_comm_state = restored
+        self._optimizer_source = self._saved_optimizer_key(path, saved_keys)
         try:
             loaded = super().load_checkpoint(path, extra)
         finally:
-            self._with_comm_state = True
+            self._with_comm_state, self._optimizer_source = True, None
         self.ctx.comm.on_resume(self.scheduler.last_epoch, restored)
         return loaded
+
+    def _saved_optimizer_key(self, path: Path, saved_keys: Iterable[str]) -> str:
+        """This rank's own optimizer state if the checkpoint has it; else the shared one (saved without
+        comm.local_steps), else rank 0's (saved with it by another world size, or resumed without it)."""
+        present = {key.split(".", 1)[0] for key in saved_keys}
+        wanted = self.optimizer_key()
+        for key in (wanted, "optimizer", "optimizer_rank0"):
+            if key in present:
+                if key != wanted and key != "optimizer":
+                    log.warning("optimizer state for this rank is not in %s; it starts from rank 0's", path)
+                return key
+        return wanted  # nothing to choose from: the load reports the missing keys

@@ -1,0 +1,154 @@
+"""``comm=topk comm.feedback=update`` (the default): top-k of each rank's optimizer *update*, with error feedback.
+
+No gradient is averaged. Each rank's optimizer steps on the rank's own gradient, so an adaptive optimizer's
+per-entry normalisation sees a dense gradient every step; what travels is the update it produced. Each rank adds
+that update to what it has not sent yet (its residual) and sends the top-k entries of the sum as (value, index)
+pairs in one all-gather; every rank adds the mean of all sent values to the shared parameters, summed in rank
+order, so the ranks hold identical parameters after every step. Error feedback is exact here for any optimizer:
+an update enters the parameters linearly, so what is not sent is only delayed (on gradients it is exact for SGD
+only; docs/communication.md).
+
+The gradient is taken at the rank's own view of the model, the shared parameters plus its residual
+(``gradient_point``): the rank's optimizer sees the effect of its own unsent updates and stops pushing in a
+direction it has already taken (without this the residual overshoots). Every ``sync_every`` steps the residuals
+are all-reduced whole, so the shared model then holds every update and each rank's view equals it.
+
+The strategy clips with the root-mean-square of the ranks' local gradient norms (one scalar all-reduce) and the
+threshold divided by sqrt(world size), Deep Gradient Compression's local clipping; it keeps the optimizer's
+state per rank (in checkpoints too), and calls ``finish_update`` after the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from distrain.comm.topk import TopKComm
+from distrain.dist import DistEnv
+
+
+def topk_comm(*, feedback: str = "update", sync_every: int = 0, **options: Any) -> TopKComm:
+    """The ``comm=topk`` option for ``feedback``: top-k of the update (``TopKUpdateComm``) or of the gradient."""
+    if feedback == "update":
+        return TopKUpdateComm(sync_every=sync_every, **options)
+    return TopKComm(feedback=feedback, **options)
+
+
+class TopKUpdateComm(TopKComm):
+    """Top-k of each rank's update with error feedback (module docstring).
+
+    Args:
+        sync_every: all-reduce the whole residual every this many optimizer steps (0: never).
+        The others as ``TopKComm`` (``momentum`` must be 0).
+
+    Per-rank state: the residual (``pending``: one buffer per parameter, on the parameter's device; saved in
+    checkpoints, under keys of its own, so a gradient residual from ``feedback=residual`` is never read as one).
+    The quality guard reports, every ``quality_every`` steps, the share of the ranks' updates since the last check
+    (plus what was pending then) that the shared parameters have not received yet (``grad_compression_error``).
+    """
+
+    local_steps = True
+
+    def __init__(self, *, sync_every: int, **options: Any) -> None:
+        super().__init__(feedback="update", **options)
+        self.sync_every = sync_every
+
+    def prepare(self, model: DistributedDataParallel, env: DistEnv) -> None:
+        super().prepare(model, env)
+        self.params = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in self.params]
+        self.state = {"pending": {name: torch.zeros_like(p) for name, p in self.params}}  # unsent updates
+        self._shared: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None  # the guard's sampled entries, as flat positions
+
+    def checking(self) -> bool:
+        return False  # the gradient guard does not apply: each rank applies its own gradient
+
+    def average_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """No collective: the bucket keeps this rank's gradient, for this rank's optimizer."""
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    @contextmanager
+    def gradient_point(self) -> Iterator[None]:
+        """Forward and backward run at the shared parameters plus this rank's residual; on exit the shared
+        parameters are restored from a copy (subtracting again would round differently on each rank)."""
+        with torch.no_grad():
+            self._shared = self._flat_params()
+            for name, p in self.params:
+                p.add_(self.state["pending"][name])
+        try:
+            yield
+        finally:
+            self._write_params(self._shared)
+
+    @torch.no_grad()
+    def finish_update(self) -> dict[str, Any]:
+        """Send this step's top-k of (update + residual) and set every rank's parameters to the shared ones plus
+        the mean sent. Collective: one all-gather of (value, index) pairs (a dense all-reduce on a sync step or
+        when that is cheaper), and on guard steps one reduce to rank 0 on the guard's group."""
+        if self._shared is None:
+            raise RuntimeError("finish_update without gradient_point: the shared parameters were not kept")
+        shared, self._shared = self._shared, None
+        update = self._flat_params() - shared
+        candidate = self._flat("pending", self.names)
+        report = self._guard(candidate, update)
+        candidate += update
+        total = candidate.numel()
+        k = min(total, max(1, math.ceil(self.density_at(self.step) * total)))
+        dense = k * self.world_size >= total or (self.sync_every > 0 and self.step % self.sync_every == 0)
+        indices = torch.arange(total, device=candidate.device) if dense else candidate.abs().topk(k).indices
+        values = candidate[indices]
+        summed, work = self._send(indices, values.float() / self.world_size, total, dense=dense)
+        work.wait()
+        applied = summed()
+        if torch.isfinite(applied).all():  # the same on every rank: a non-finite update is skipped everywhere
+            candidate[indices] = 0
+            self._unflat("pending", self.names, candidate)
+            shared += applied.to(shared.dtype)
+        self._write_params(shared)
+        return report | {"comm_bytes": self.bytes_sent, "comm_dense_bytes": self.dense_bytes}
+
+    def _guard(self, pending: torch.Tensor, update: torch.Tensor) -> dict[str, Any]:
+        """On guard steps: ||pending now|| / ||pending at the last check + updates since||, summed over ranks at
+        the sampled entries (collective: one reduce to rank 0). Every step: adds this step's update to the window."""
+        if self.quality_every <= 0 or not self.registered:
+            return {}
+        if self._positions is None:
+            self._start_window(update.device)
+        report: dict[str, Any] = {}
+        if self.step % self.quality_every == 0:
+            parts = torch.stack([pending[self._positions].float(), self._due])
+            dist.reduce(parts, dst=0, op=dist.ReduceOp.SUM, group=self._group)
+            self._due = pending[self._positions].float()
+            if self.rank == 0:
+                due = parts[1].norm().item()
+                error = parts[0].norm().item() / due if due > 0 else 0.0
+                self._note(error)
+                report = {"comm_quality": {"grad_compression_error": error}}
+        self._due += update[self._positions].float()
+        return report
+
+    def _start_window(self, device: torch.device) -> None:
+        offsets, offset = {}, 0
+        for _, p in self.params:
+            offsets[id(p)], offset = offset, offset + p.numel()
+        self._positions = torch.cat([offsets[key] + index.to(device) for key, (_, index) in self._sampled.items()])
+        self._due = torch.zeros(len(self._positions), device=device)
+
+    def _flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for _, p in self.params])
+
+    def _write_params(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            offset = 0
+            for _, p in self.params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()

@@ -1,0 +1,76 @@
+"""Top-k of each rank's optimizer update (``comm=topk``'s default ``feedback=update``) on real gloo ranks: identical
+parameters on every rank, dense SGD recovered at density 1, a non-finite gradient skipped on every rank, and the
+quality guard's report. Exact resume is in test_topk.py (it runs the default feedback)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from helpers import FAST, compose_config, cpu_state, join, leave, on_ranks, to_plain, train_steps
+from omegaconf import OmegaConf
+from test_nonfinite import poisoned_run
+
+from distrain.build import build
+
+pytestmark = pytest.mark.distributed
+
+SPARSE = ["comm=topk", "comm.density=0.05", "comm.sync_every=4", "comm.quality_every=3", "comm.bucket_cap_mb=0.1"]
+
+
+def trained(cfg_dict, steps):
+    """Take ``steps`` optimizer steps; this rank's losses, final parameters (CPU) and step reports."""
+    env = join(None)
+    try:
+        run = build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
+        results = [run.strategy.train_step(run.data.next_step()) for _ in range(steps)]
+        return {
+            "losses": [result.loss.item() for result in results],
+            "params": cpu_state(run.strategy.model),
+            "marks": [{k: v for k, v in result.marks.items() if k.startswith("comm_")} for result in results],
+        }
+    finally:
+        leave()
+
+
+def test_every_rank_holds_the_same_parameters_and_sends_a_fraction_of_the_bytes():
+    """Ranks read different data and step their own optimizers; after every exchange the parameters they hold
+    are bit-identical. Pairs cost 8 bytes each (5% of entries: 0.1 of the dense all-reduce on 2 ranks), a sync step
+    (every 4th) all-reduces the whole residual, and guard steps (every 3rd) report an unsent share in [0, 1]."""
+    cfg = to_plain(compose_config([*FAST, *SPARSE]))
+    ranks = on_ranks(trained, 2, cfg, 6)
+    first, second = ranks[0], ranks[1]
+    assert first["params"].keys() == second["params"].keys()
+    assert all(torch.equal(first["params"][k], second["params"][k]) for k in first["params"])
+    assert first["losses"] != second["losses"]  # they did compute different gradients
+    ratios = [mark["comm_bytes"] / mark["comm_dense_bytes"] for mark in first["marks"]]
+    assert all(0.09 < ratio < 0.11 for i, ratio in enumerate(ratios) if i != 3), ratios
+    assert ratios[3] == pytest.approx(1.0)  # step 4 sends the residual whole
+    errors = [mark.get("comm_quality", {}).get("grad_compression_error") for mark in first["marks"]]
+    assert errors[0] is None and errors[1] is None and 0 < errors[2] < 1 and 0 < errors[5] < 1, errors
+
+
+def test_at_density_1_plain_sgd_follows_dense_ddp():
+    """Every update sent whole: the mean of the ranks' SGD updates is the dense SGD update, so the losses match
+    dense DDP (no clipping and no weight decay, which each rank would apply to its own share)."""
+    sgd = ["optimizer=sgd", "optimizer.momentum=0", "optimizer.weight_decay=0", "trainer.grad_clip_norm=0"]
+    dense, update = on_ranks(
+        train_steps,
+        2,
+        [to_plain(compose_config([*FAST, *sgd, *extra])) for extra in ([], ["comm=topk", "comm.density=1.0"])],
+        5,
+    )[0]
+    assert update["losses"][-1] < update["losses"][0]
+    torch.testing.assert_close(torch.tensor(update["losses"]), torch.tensor(dense["losses"]), rtol=1e-5, atol=0)
+
+
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank():
+    """The clipping norm is shared (an all-reduce of the ranks' squared norms), so a NaN on rank 1 alone makes
+    both ranks skip step 3; the exchange is not entered and the parameters stay finite and equal."""
+    cfg = to_plain(compose_config([*FAST, *SPARSE, "trainer.on_nonfinite=skip"]))
+    per_rank = on_ranks(poisoned_run, 2, cfg, 3, 1, 6)
+    for rank in (0, 1):
+        history = per_rank[rank]
+        assert [h["skipped"] for h in history] == [False, False, True, False, False, False], history
+        assert history[2]["unchanged"] and all(h["finite"] for h in history)
