@@ -106,15 +106,21 @@ class TopKUpdateComm(TopKComm):
         dense = k * self.world_size >= total or (self.sync_every > 0 and self.step % self.sync_every == 0)
         indices = torch.arange(total, device=candidate.device) if dense else candidate.abs().topk(k).indices
         values = candidate[indices]
+        launched = self.clock.mark()
         summed, work = self._send(indices, values.float() / self.world_size, total, dense=dense)
         work.wait()
+        self.intervals.append((launched, self.clock.mark()))  # the exchange, after backward: never hidden
         applied = summed()
         if torch.isfinite(applied).all():  # the same on every rank: a non-finite update is skipped everywhere
             candidate[indices] = 0
             self._unflat("pending", self.names, candidate)
             shared += applied.to(shared.dtype)
         self._write_params(shared)
-        return report | {"comm_bytes": self.bytes_sent, "comm_dense_bytes": self.dense_bytes}
+        return report | {
+            "comm_bytes": self.bytes_sent,
+            "comm_dense_bytes": self.dense_bytes,
+            "comm_intervals": self.intervals,
+        }
 
     def _guard(self, pending: torch.Tensor, update: torch.Tensor) -> dict[str, Any]:
         """On guard steps: ||pending now|| / ||pending at the last check + updates since||, summed over ranks at
