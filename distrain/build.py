@@ -71,6 +71,12 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     elif cfg.compile:  # compiles lazily at the first forward, inside whatever the strategy wraps around it
         apply_compile(model, cfg.compile_scope, cfg.compile_backend)
     precision = instantiate(cfg.precision)
+    comm = instantiate(cfg.comm)
+    comm.set_schedule(
+        total_steps=settings.max_steps,
+        eval_every=settings.eval_every,
+        checkpoint_every=cfg.checkpoint.get("every_n_steps", 0),
+    )
     strategy.setup(
         model,
         StrategyContext(
@@ -78,7 +84,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
             build_optimizer=partial(instantiate(cfg.optimizer), roles=roles),
             build_scheduler=partial(instantiate(cfg.scheduler), total_steps=settings.max_steps),
             precision=precision,
-            comm=instantiate(cfg.comm),
+            comm=comm,
             grad_clip_norm=settings.grad_clip_norm,
             on_nonfinite=settings.on_nonfinite,
             micro_batch_size=cfg.data.micro_batch_size,

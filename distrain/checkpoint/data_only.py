@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import logging
 import pickle
 import re
 from pathlib import Path
@@ -26,6 +27,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from distrain.errors import RunError
+
+log = logging.getLogger(__name__)
 
 # Classes DeepSpeed 0.19 pickles into its checkpoints: records of plain values, constructed without running code.
 DEEPSPEED_DATA_CLASSES = (
@@ -181,3 +184,31 @@ def _check_saved_values(directory: Path, metadata: Metadata) -> None:
             with (directory / stored.relative_path).open("rb") as file:
                 file.seek(stored.offset)
                 _load_data_bytes(file.read(stored.length), f"{directory / stored.relative_path} ({index.fqn})")
+
+
+def saved_keys(path: Path) -> list[str]:
+    """The flattened state keys of the DCP checkpoint at ``path`` (read from its metadata file)."""
+    return list(load_dcp_metadata(path / ".metadata").state_dict_metadata)
+
+
+def saved_optimizer_key(path: Path, wanted: str, rank: int, world_size: int) -> str:
+    """Which optimizer state in the checkpoint at ``path`` this rank loads: its own key (``wanted``) when present,
+    else the shared one (saved without per-rank optimizers), else rank 0's (saved with one state per rank, by fewer
+    ranks or for a run that keeps one state). Rank 0 says so in one line when any rank falls back to rank 0's."""
+    present = {key.split(".", 1)[0] for key in saved_keys(path)}
+    per_rank = sum(1 for key in present if re.fullmatch(r"optimizer_rank\d+", key))
+    if rank == 0 and per_rank and "optimizer" not in present:
+        if wanted == "optimizer":
+            log.warning("%s keeps one optimizer state per rank (comm=topk); every rank resumes from rank 0's", path)
+        elif world_size > per_rank:
+            log.warning(
+                "%s has optimizer states for %d ranks; ranks %d-%d resume from rank 0's",
+                path,
+                per_rank,
+                per_rank,
+                world_size - 1,
+            )
+    for key in (wanted, "optimizer", "optimizer_rank0"):
+        if key in present:
+            return key
+    return wanted  # nothing to choose from: the load names the missing keys

@@ -40,8 +40,11 @@ class DDPComm:
 
     # True when each rank's optimizer steps on its own gradient and the option exchanges the resulting updates
     # (``comm=topk comm.feedback=update``): the strategy then clips with a norm all ranks share, keeps the
-    # optimizer's state per rank, and calls ``begin_update``/``finish_update`` around the optimizer step.
+    # optimizer's state per rank, and calls ``finish_update`` after the optimizer step.
     local_steps = False
+    # The steps after which the loop evaluates or checkpoints, and the last (``set_schedule``): an option that
+    # holds updates back sends them there, so evaluations and checkpoints see every update.
+    exact_steps: tuple[int, int, int] = (0, 0, 0)  # (last step, evaluate every, checkpoint every); 0: none
 
     def __init__(self, *, name: str, bucket_cap_mb: float, gradient_as_bucket_view: bool, static_graph: bool) -> None:
         self.name = name
@@ -129,13 +132,20 @@ class DDPComm:
         parameters as they are)."""
         return nullcontext()
 
-    def begin_update(self) -> None:
-        """Called just before the optimizer step (``local_steps`` options only)."""
-
-    def finish_update(self) -> dict[str, Any]:
-        """Called just after the optimizer step (``local_steps`` options only): exchange the ranks' updates so
-        every rank holds the same parameters again; returns entries for the step's report."""
+    def finish_update(self, *, stepped: bool = True) -> dict[str, Any]:
+        """Called after the optimizer step (``local_steps`` options only; ``stepped=False`` when the step was
+        skipped): exchange the ranks' updates so every rank holds the same parameters again; returns entries for
+        the step's report."""
         return {}
+
+    def set_schedule(self, *, total_steps: int, eval_every: int, checkpoint_every: int) -> None:
+        """The run's last optimizer step and how often the loop evaluates and checkpoints (0: never)."""
+        self.exact_steps = (total_steps, eval_every, checkpoint_every)
+
+    def is_exact_step(self, step: int) -> bool:
+        """Whether the loop evaluates or checkpoints after optimizer step ``step``, or it is the last."""
+        last, eval_every, checkpoint_every = self.exact_steps
+        return step == last or any(every > 0 and step % every == 0 for every in (eval_every, checkpoint_every))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Per-rank state a checkpoint must keep for an exact resume (error feedback residuals); live tensors, so

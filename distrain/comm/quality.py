@@ -44,6 +44,8 @@ class CompressedComm(DDPComm):
         quality_threshold: warn (once) when the relative error stays above this for ``PATIENCE`` checks.
     """
 
+    guard_measures = "the gradient every rank applies differs from the dense gradient"  # the warning's subject
+
     def __init__(self, *, quality_every: int, quality_threshold: float, **ddp: Any) -> None:
         super().__init__(**ddp)
         self.quality_every, self.quality_threshold = quality_every, quality_threshold
@@ -122,7 +124,7 @@ class CompressedComm(DDPComm):
         if self._above >= PATIENCE and not self._warned:
             self._warned = True
             log.warning(
-                f"comm={self.name}: the gradient every rank applies differs from the dense gradient by "
-                f"{error:.0%} (relative error, {PATIENCE} checks in a row above comm.quality_threshold="
-                f"{self.quality_threshold}); expect a worse model than comm=default (docs/communication.md)"
+                f"comm={self.name}: {self.guard_measures} by {error:.0%} (relative error, {PATIENCE} checks in a "
+                f"row above comm.quality_threshold={self.quality_threshold}); expect a worse model than "
+                "comm=default (docs/communication.md)"
             )

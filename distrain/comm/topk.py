@@ -28,7 +28,8 @@ from distrain.comm.quality import CompressedComm
 from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
 from distrain.dist import DistEnv
 
-FEEDBACKS = ("update", "estimate", "residual")  # the config's TopKFeedback choices (update: comm.topk_update)
+FEEDBACKS = ("estimate", "residual")  # feedback on gradients; "update" is distrain.comm.topk_update's
+MAX_INDEX = 2**31 - 1  # indices travel as int32
 Waiting = list[tuple[torch.Tensor, list[str], torch.futures.Future]]
 
 
@@ -58,6 +59,8 @@ class TopKComm(CompressedComm):
     parameter, and is saved in checkpoints for an exact resume.
     """
 
+    feedbacks = FEEDBACKS
+
     def __init__(
         self,
         *,
@@ -69,13 +72,17 @@ class TopKComm(CompressedComm):
         **compressed: Any,
     ) -> None:
         super().__init__(**compressed)
-        if feedback not in FEEDBACKS:
-            raise ValueError(f"feedback={feedback!r}: one of {', '.join(FEEDBACKS)}")
+        if feedback not in self.feedbacks:
+            raise ValueError(
+                f"feedback={feedback!r}: one of {', '.join(self.feedbacks)} (update: topk_update.topk_comm)"
+            )
         self.density, self.warmup_steps, self.warmup_start_density = density, warmup_steps, warmup_start_density
         self.feedback, self.momentum = feedback, momentum
 
     def prepare(self, model: DistributedDataParallel, env: DistEnv) -> None:
         params = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
+        if sum(p.numel() for _, p in params) > MAX_INDEX:
+            raise ValueError(f"comm=topk sends int32 indices: at most {MAX_INDEX} trainable parameters per model")
         self.param_names = {id(p): name for name, p in params}
         self.order = {name: index for index, (name, _) in enumerate(params)}
         self.sizes = {name: p.numel() for name, p in params}

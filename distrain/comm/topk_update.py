@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.comm.topk import TopKComm
+from distrain.comm.traffic import all_reduce_bytes
 from distrain.dist import DistEnv
 
 
@@ -44,7 +45,9 @@ class TopKUpdateComm(TopKComm):
     """Top-k of each rank's update with error feedback (module docstring).
 
     Args:
-        sync_every: all-reduce the whole residual every this many optimizer steps (0: never).
+        sync_every: all-reduce the whole residual every this many optimizer steps (0: never); it is also sent
+            whole at steps the loop evaluates or checkpoints after, and the last (``set_schedule``), so
+            evaluations, checkpoints and the final model hold every update.
         The others as ``TopKComm`` (``momentum`` must be 0).
 
     Per-rank state: the residual (``pending``: one buffer per parameter, on the parameter's device; saved in
@@ -54,6 +57,8 @@ class TopKUpdateComm(TopKComm):
     """
 
     local_steps = True
+    feedbacks = ("update",)
+    guard_measures = "the shared parameters lack part of the ranks' recent updates"
 
     def __init__(self, *, sync_every: int, **options: Any) -> None:
         super().__init__(feedback="update", **options)
@@ -80,39 +85,39 @@ class TopKUpdateComm(TopKComm):
     def gradient_point(self) -> Iterator[None]:
         """Forward and backward run at the shared parameters plus this rank's residual; on exit the shared
         parameters are restored from a copy (subtracting again would round differently on each rank)."""
-        with torch.no_grad():
-            self._shared = self._flat_params()
-            for name, p in self.params:
-                p.add_(self.state["pending"][name])
+        self._shared = self._flat_params()
         try:
+            with torch.no_grad():
+                for name, p in self.params:
+                    p.add_(self.state["pending"][name])
             yield
         finally:
             self._write_params(self._shared)
 
     @torch.no_grad()
-    def finish_update(self) -> dict[str, Any]:
+    def finish_update(self, *, stepped: bool = True) -> dict[str, Any]:
         """Send this step's top-k of (update + residual) and set every rank's parameters to the shared ones plus
-        the mean sent. Collective: one all-gather of (value, index) pairs (a dense all-reduce on a sync step or
-        when that is cheaper), and on guard steps one reduce to rank 0 on the guard's group."""
+        the mean sent. ``stepped=False`` (a skipped step, the same on every rank) only lets go of the kept copy.
+        Collective: one all-gather of (value, index) pairs (a dense all-reduce on a sync step, before an evaluation
+        or a checkpoint, at the run's last step, or when that is cheaper), and on guard steps one reduce to rank 0
+        on the guard's group. The report has ``update_dropped`` True when the mean was not finite: it is not applied
+        on any rank."""
         if self._shared is None:
             raise RuntimeError("finish_update without gradient_point: the shared parameters were not kept")
         shared, self._shared = self._shared, None
-        update = self._flat_params() - shared
+        if not stepped:
+            return {}
         candidate = self._flat("pending", self.names)
+        update = self._flat_params() - shared
         report = self._guard(candidate, update)
         candidate += update
-        total = candidate.numel()
-        k = min(total, max(1, math.ceil(self.density_at(self.step) * total)))
-        dense = k * self.world_size >= total or (self.sync_every > 0 and self.step % self.sync_every == 0)
-        indices = torch.arange(total, device=candidate.device) if dense else candidate.abs().topk(k).indices
-        values = candidate[indices]
+        del update
         launched = self.clock.mark()
-        summed, work = self._send(indices, values.float() / self.world_size, total, dense=dense)
-        work.wait()
-        self.intervals.append((launched, self.clock.mark()))  # the exchange, after backward: never hidden
-        applied = summed()
-        if torch.isfinite(applied).all():  # the same on every rank: a non-finite update is skipped everywhere
-            candidate[indices] = 0
+        applied, sent = self._exchange_candidate(candidate)
+        self.intervals.append((launched, self.clock.mark()))
+        dropped = not bool(torch.isfinite(applied).all())  # the same on every rank
+        if not dropped:
+            candidate[sent] = 0
             self._unflat("pending", self.names, candidate)
             shared += applied.to(shared.dtype)
         self._write_params(shared)
@@ -120,7 +125,25 @@ class TopKUpdateComm(TopKComm):
             "comm_bytes": self.bytes_sent,
             "comm_dense_bytes": self.dense_bytes,
             "comm_intervals": self.intervals,
+            "comm_after_backward": self.intervals[-1:],
+            "update_dropped": dropped,
         }
+
+    def _exchange_candidate(self, candidate: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The mean over ranks of what each sends, and which entries of ``candidate`` this rank sent (a slice or
+        indices). Collective: an all-gather of the top-k pairs, or an all-reduce of the whole vector."""
+        total = candidate.numel()
+        k = min(total, max(1, math.ceil(self.density_at(self.step) * total)))
+        syncing = (self.sync_every > 0 and self.step % self.sync_every == 0) or self.is_exact_step(self.step)
+        if k * self.world_size >= total or syncing:
+            vector = candidate.float() / self.world_size
+            self.bytes_sent += all_reduce_bytes(vector.numel() * vector.element_size(), self.world_size)
+            dist.all_reduce(vector)
+            return vector, slice(None)
+        indices = candidate.abs().topk(k).indices
+        summed, work = self._send(indices, candidate[indices].float() / self.world_size, total, dense=False)
+        work.wait()
+        return summed(), indices
 
     def _guard(self, pending: torch.Tensor, update: torch.Tensor) -> dict[str, Any]:
         """On guard steps: ||pending now|| / ||pending at the last check + updates since||, summed over ranks at
@@ -128,26 +151,28 @@ class TopKUpdateComm(TopKComm):
         if self.quality_every <= 0 or not self.registered:
             return {}
         if self._positions is None:
-            self._start_window(update.device)
+            self._start_window(pending)
         report: dict[str, Any] = {}
         if self.step % self.quality_every == 0:
             parts = torch.stack([pending[self._positions].float(), self._due])
             dist.reduce(parts, dst=0, op=dist.ReduceOp.SUM, group=self._group)
             self._due = pending[self._positions].float()
             if self.rank == 0:
-                due = parts[1].norm().item()
-                error = parts[0].norm().item() / due if due > 0 else 0.0
+                pending_norm, due = parts[0].norm().item(), parts[1].norm().item()
+                error = pending_norm / due if due > 0 else (0.0 if pending_norm == 0 else math.nan)
                 self._note(error)
                 report = {"comm_quality": {"grad_compression_error": error}}
         self._due += update[self._positions].float()
         return report
 
-    def _start_window(self, device: torch.device) -> None:
+    def _start_window(self, pending: torch.Tensor) -> None:
+        """The sampled entries as flat positions; the window starts with what is pending (nonzero after a resume)."""
         offsets, offset = {}, 0
         for _, p in self.params:
             offsets[id(p)], offset = offset, offset + p.numel()
-        self._positions = torch.cat([offsets[key] + index.to(device) for key, (_, index) in self._sampled.items()])
-        self._due = torch.zeros(len(self._positions), device=device)
+        positions = [offsets[key] + index.to(pending.device) for key, (_, index) in self._sampled.items()]
+        self._positions = torch.cat(positions)
+        self._due = pending[self._positions].float()
 
     def _flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for _, p in self.params])

@@ -66,12 +66,12 @@ def summary_table(summary: dict[str, Any], run_dir: str) -> str:
 
     peaks = [peak for peak in summary.get("peak_memory_bytes_per_rank") or [] if peak is not None]
     stopped = f" (stopped by {summary['stopped_by']})" if summary.get("stopped_by") else ""
-    layout = summary.get("layout", summary.get("parallelism"))
+    layout, ranks = summary.get("layout", summary.get("parallelism")), summary.get("world_size")
     if summary.get("comm") not in (None, "default"):  # how gradients travelled, when not the plain all-reduce
         layout += f" with comm={summary['comm']}"
     rows = [
         ("steps", f"{summary.get('steps')}{stopped}"),
-        ("layout", f"{layout} on {summary.get('world_size')} ranks, {summary.get('precision')}"),
+        ("layout", f"{layout} on {ranks} rank{'' if ranks == 1 else 's'}, {summary.get('precision')}"),
         ("train loss", _pair(summary.get("first_logged_loss"), summary.get("final_train_loss"))),
         ("val loss", _maybe(summary.get("final_val_loss"), short_number)),
         ("tokens/s (mean)", _maybe(mean("tokens_per_s"), si_number)),

@@ -40,18 +40,22 @@ def phase_seconds(clock: Clock, marks: dict[str, Any]) -> dict[str, float]:
     """Split one step into data wait, forward+backward compute, exposed communication and optimizer.
 
     ``marks``: ``step_start``, ``data_ready`` (batches in hand), ``backward_done`` (gradients synchronised),
-    ``optimizer_done``; and ``comm_launch`` when a DDP communication hook saw the step's last bucket launched.
+    ``optimizer_done``; and ``comm_launch`` when a DDP communication hook saw the step's last bucket launched;
+    ``comm_after_backward``: (start, end) intervals of communication run after backward (none overlapped).
     Autograd has no work left once the last bucket is launched, so the time from there to the end of backward is
     communication that backward did not hide. Strategies without hooks (fsdp, zero) have no ``comm_launch``:
     their communication is inside ``compute`` and ``comm`` is reported as NaN.
     """
     forward_backward = clock.seconds(marks["data_ready"], marks["backward_done"])
     comm = clock.seconds(marks["comm_launch"], marks["backward_done"]) if "comm_launch" in marks else float("nan")
+    # An exchange after the optimizer step (comm=topk's update feedback) is exposed by definition: it is counted
+    # as communication, not as optimizer time.
+    after = sum(clock.seconds(start, end) for start, end in marks.get("comm_after_backward", ()))
     return {
         "data": clock.seconds(marks["step_start"], marks["data_ready"]),
         "compute": forward_backward - (0.0 if math.isnan(comm) else comm),
-        "comm": comm,
-        "optimizer": clock.seconds(marks["backward_done"], marks["optimizer_done"]),
+        "comm": comm + after if after else comm,
+        "optimizer": clock.seconds(marks["backward_done"], marks["optimizer_done"]) - after,
     }
 
 

@@ -13,7 +13,8 @@ update (about 0.2), so Muon and the AdamW parameters share one learning rate, we
 
 Where the Newton-Schulz work runs, and the collectives (all on the parameters' device):
 
-- a plain parameter, ``replicated_over`` None (one process, a pipeline stage): on this rank, no collective;
+- a plain parameter, ``replicated_over`` None (one process, a pipeline stage, DDP under ``comm=topk``'s update
+  feedback, where each rank steps on its own gradient): on this rank, no collective;
 - a plain parameter replicated over ``replicated_over`` (DDP): each rank of that group orthogonalises its share of
   the matrices (assigned by size), then one ``all_gather`` per bucket gives every rank every result, launched
   asynchronously so the next bucket's Newton-Schulz overlaps it;

@@ -10,6 +10,7 @@ only ever calls ``setup``, ``train_step``, ``eval_loss``, the checkpoint pair an
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader
+from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, saved_optimizer_key
 from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.dist import DistEnv
@@ -40,6 +41,9 @@ from distrain.precision.policy import PrecisionPolicy
 # (named_parameters, replicated_over=group or None) -> optimizer: ``distrain.optim.optimizers``.
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -287,8 +291,8 @@ class LocalBackwardStrategy:
         self.updating = True
         if not skipped:
             self.scaler.step(self.optimizer)
-            if self.ctx.comm.local_steps:  # every rank holds the same parameters again after this
-                self._marks |= self.ctx.comm.finish_update()
+        if self.ctx.comm.local_steps:  # every rank holds the same parameters again after this
+            skipped = self._finish_local_update(skipped)
         maybe_inject_fault(self.ctx.env.rank, self.scheduler.last_epoch + 1, point="update")
         self.scaler.update()
         if self._state_bytes is None:  # once: gradients and optimizer state all exist only at this point
@@ -299,6 +303,16 @@ class LocalBackwardStrategy:
         self._marks["optimizer_done"] = self.ctx.clock.mark()
         self._marks["optimizer_metrics"] = optimizer_metrics(self.optimizer)
         return StepResult(loss=loss_sum / total_tokens, grad_norm=grad_norm, skipped=skipped, marks=self._marks)
+
+    def _finish_local_update(self, skipped: bool) -> bool:
+        """The comm option's exchange of the ranks' updates (``comm.local_steps``); returns whether the step counts
+        as skipped: it was, or the ranks' mean update was not finite and no rank applied it."""
+        exchange = self.ctx.comm.finish_update(stepped=not skipped)
+        dropped = exchange.pop("update_dropped", False)
+        self._marks |= exchange
+        if dropped and self.ctx.on_nonfinite == "stop":
+            raise NonFiniteGradientError("the ranks' mean update is not finite; it was not applied")
+        return skipped or dropped
 
     def clip_gradients(self) -> torch.Tensor:
         """Unscale, then clip to the global norm; returns the norm before clipping (computed either way)."""
@@ -324,9 +338,14 @@ class LocalBackwardStrategy:
             raise RuntimeError("model state is measured during the first train_step")
         return self._state_bytes
 
-    def optimizer_key(self) -> str:
-        """The checkpoint key of this rank's optimizer state."""
+    _optimizer_source: str | None = None  # during a load: the key this rank's optimizer state is read from
+
+    def own_optimizer_key(self) -> str:
+        """The checkpoint key this rank saves its optimizer state under."""
         return "optimizer"
+
+    def optimizer_key(self) -> str:
+        return self._optimizer_source or self.own_optimizer_key()
 
     def _state_dict(self) -> dict[str, Any]:
         # DCP-ready: DDP's "module." prefix removed; FSDP/TP parameters and optimizer state stay sharded DTensors.
@@ -353,11 +372,14 @@ class LocalBackwardStrategy:
         return None
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
-        state = {**self._state_dict(), "extra": extra}
-        dcp.load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner())
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[self.optimizer_key()]
-        )
+        env = self.ctx.env
+        source = self._optimizer_source = saved_optimizer_key(path, self.own_optimizer_key(), env.rank, env.world_size)
+        try:
+            state = {**self._state_dict(), "extra": extra}
+            dcp.load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner())
+        finally:
+            self._optimizer_source = None
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[source])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])

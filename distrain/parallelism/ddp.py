@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,9 @@ class DDPStrategy(LocalBackwardStrategy):
     Collectives: a broadcast of parameters from rank 0 when wrapping; during the backward of the last
     micro-batch of each step, the comm hook's collectives per gradient bucket (``comm=default``: one ring
     all-reduce), overlapped with backward. Earlier micro-batches run under ``no_sync`` and accumulate locally,
-    so accumulation adds no communication.
+    so accumulation adds no communication. Under ``comm=topk``'s update feedback (``comm.local_steps``) the hook
+    sends nothing; instead one all-reduce of a scalar (the clipping norm) after backward, and after the optimizer
+    step the exchange of updates (``distrain.comm.topk_update``).
     """
 
     def __init__(self, *, name: str = "ddp", find_unused_parameters: bool) -> None:
@@ -51,12 +52,9 @@ class DDPStrategy(LocalBackwardStrategy):
         return None if self.ctx.comm.local_steps else dist.group.WORLD
 
     _with_comm_state = True  # whether checkpoints include the comm option's per-rank state
-    _optimizer_source: str | None = None  # during a load: the key this rank's optimizer state is read from
 
-    def optimizer_key(self) -> str:
+    def own_optimizer_key(self) -> str:
         # Under comm.local_steps every rank's optimizer has its own state (it stepped on its own gradients).
-        if self._optimizer_source is not None:
-            return self._optimizer_source
         return f"optimizer_rank{self.ctx.env.rank}" if self.ctx.comm.local_steps else "optimizer"
 
     def _state_dict(self) -> dict[str, Any]:
@@ -74,29 +72,17 @@ class DDPStrategy(LocalBackwardStrategy):
         # Every key this option keeps must be there: another comm option or top-k feedback saves other keys.
         wanted = {f"comm_rank{self.ctx.env.rank}.{key}" for key in self.ctx.comm.state_dict()}
         restored = checkpoint_world_size(path) == self.ctx.env.world_size and bool(wanted) and wanted <= set(saved_keys)
-        if self.ctx.comm.state_dict() and not restored:
+        if self.ctx.comm.state_dict() and not restored and self.ctx.env.rank == 0:
             log.warning(
-                "comm=%s: no compression state for this rank and world size in %s; it starts empty",
+                "comm=%s: %s has no compression state for this option and world size (another comm option or "
+                "feedback, or another world size saved it); it starts empty",
                 self.ctx.comm.name,
                 path,
             )
         self._with_comm_state = restored
-        self._optimizer_source = self._saved_optimizer_key(path, saved_keys)
         try:
             loaded = super().load_checkpoint(path, extra)
         finally:
-            self._with_comm_state, self._optimizer_source = True, None
+            self._with_comm_state = True
         self.ctx.comm.on_resume(self.scheduler.last_epoch, restored)
         return loaded
-
-    def _saved_optimizer_key(self, path: Path, saved_keys: Iterable[str]) -> str:
-        """This rank's own optimizer state if the checkpoint has it; else the shared one (saved without
-        comm.local_steps), else rank 0's (saved with it by another world size, or resumed without it)."""
-        present = {key.split(".", 1)[0] for key in saved_keys}
-        wanted = self.optimizer_key()
-        for key in (wanted, "optimizer", "optimizer_rank0"):
-            if key in present:
-                if key != wanted and key != "optimizer":
-                    log.warning("optimizer state for this rank is not in %s; it starts from rank 0's", path)
-                return key
-        return wanted  # nothing to choose from: the load reports the missing keys

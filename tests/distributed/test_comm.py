@@ -251,7 +251,8 @@ def test_powersgd_resumes_and_keeps_training():
 
 
 def test_compression_metrics_reach_the_run_directory(tmp_path):
-    """train.py with comm=topk logs bytes sent, compression ratio and communication time each window."""
+    """train.py with comm=topk logs bytes sent, compression ratio and communication time each window. Its
+    exchange runs after backward, so none of it is hidden; the run's last step sends the residual whole."""
     import json
 
     from helpers import run_train
@@ -265,6 +266,7 @@ def test_compression_metrics_reach_the_run_directory(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "grad_bytes_sent" in r]
     assert len(logged) == 2
+    assert logged[0]["grad_compression_ratio"] > 20  # 1% density on 2 ranks: 50x fewer bytes than dense
+    assert 1.5 < logged[1]["grad_compression_ratio"] < 2.5  # step 3 at 1%, step 4 dense
     for record in logged:
-        assert record["grad_compression_ratio"] > 20  # 1% density on 2 ranks: 50x fewer bytes than dense
-        assert record["comm_busy_time_s"] > 0 and 0 <= record["comm_hidden_fraction"] <= 1
+        assert record["comm_busy_time_s"] > 0 and record["comm_hidden_fraction"] < 0.2

@@ -278,4 +278,4 @@ def test_a_checkpoint_with_the_other_feedback_restarts_the_state_empty(tmp_path)
     )
     assert second.returncode == 0, second.stderr[-2000:]
     log = (tmp_path / "b" / "train.log").read_text()
-    assert "no compression state for this rank and world size" in log and "starts empty" in log
+    assert "has no compression state for this option and world size" in log and "starts empty" in log

@@ -20,18 +20,30 @@ SPARSE = ["comm=topk", "comm.density=0.05", "comm.sync_every=4", "comm.quality_e
 
 
 def trained(cfg_dict, steps):
-    """Take ``steps`` optimizer steps; this rank's losses, final parameters (CPU) and step reports."""
+    """On a joined rank: take ``steps`` optimizer steps; this rank's losses, final parameters (CPU) and reports."""
     env = join(None)
     try:
-        run = build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
-        results = [run.strategy.train_step(run.data.next_step()) for _ in range(steps)]
-        return {
-            "losses": [result.loss.item() for result in results],
-            "params": cpu_state(run.strategy.model),
-            "marks": [{k: v for k, v in result.marks.items() if k.startswith("comm_")} for result in results],
-        }
+        return steps_of(env, cfg_dict, steps)
     finally:
         leave()
+
+
+def trained_each(cfg_dicts, steps):
+    env = join(None)
+    try:
+        return [steps_of(env, cfg_dict, steps) for cfg_dict in cfg_dicts]
+    finally:
+        leave()
+
+
+def steps_of(env, cfg_dict, steps):
+    run = build(OmegaConf.create(cfg_dict), env, run_dir=tempfile.mkdtemp())
+    results = [run.strategy.train_step(run.data.next_step()) for _ in range(steps)]
+    return {
+        "losses": [result.loss.item() for result in results],
+        "params": cpu_state(run.strategy.model),
+        "marks": [{k: v for k, v in result.marks.items() if k.startswith("comm_")} for result in results],
+    }
 
 
 def test_every_rank_holds_the_same_parameters_and_sends_a_fraction_of_the_bytes():
@@ -65,6 +77,25 @@ def test_at_density_1_plain_sgd_follows_dense_ddp():
     torch.testing.assert_close(torch.tensor(update["losses"]), torch.tensor(dense["losses"]), rtol=1e-5, atol=0)
 
 
+def test_on_one_rank_training_follows_dense_and_accumulation_changes_nothing():
+    """On one rank the gradient is taken at the shared parameters plus everything not yet sent, which is exactly
+    where dense training stands: the losses equal dense DDP's, with or without accumulation, while the shared
+    parameters (what evaluation and checkpoints see) lag behind."""
+    sparse = ["comm=topk", "comm.density=0.05", "comm.sync_every=0"]
+    cfgs = [
+        to_plain(compose_config([*FAST, *extra]))
+        for extra in (
+            ["data.micro_batch_size=4"],
+            [*sparse, "data.micro_batch_size=4"],
+            [*sparse, "data.micro_batch_size=2", "trainer.grad_accum_steps=2"],
+        )
+    ]
+    dense, whole, accumulated = on_ranks(trained_each, 1, cfgs, 6)[0]
+    for losses in (whole["losses"], accumulated["losses"]):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(dense["losses"]), rtol=1e-4, atol=0)
+    assert not all(torch.equal(whole["params"][k], dense["params"][k]) for k in dense["params"])
+
+
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank():
     """The clipping norm is shared (an all-reduce of the ranks' squared norms), so a NaN on rank 1 alone makes
     both ranks skip step 3; the exchange is not entered and the parameters stay finite and equal."""
@@ -74,3 +105,30 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank():
         history = per_rank[rank]
         assert [h["skipped"] for h in history] == [False, False, True, False, False, False], history
         assert history[2]["unchanged"] and all(h["finite"] for h in history)
+
+
+def test_a_checkpoint_of_top_k_updates_resumes_under_another_layout(tmp_path):
+    """Each rank's own optimizer state is saved under its own key; fsdp, which keeps one optimizer state, resumes
+    from rank 0's, and says so in one line."""
+    from helpers import run_train
+
+    fast = [arg for arg in FAST if not arg.startswith("checkpoint=")]
+    common = [*fast, "checkpoint.every_n_steps=2", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    first = run_train(
+        [*common, "comm=topk", "trainer.max_steps=2", "comm.density=0.05", f"hydra.run.dir={tmp_path / 'a'}"],
+        cwd=tmp_path,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_train(
+        [
+            *common,
+            "parallelism=fsdp",
+            "checkpoint.resume=auto",
+            "trainer.max_steps=4",
+            f"hydra.run.dir={tmp_path / 'b'}",
+        ],
+        cwd=tmp_path,
+    )
+    assert second.returncode == 0, second.stderr[-2000:]
+    log = (tmp_path / "b" / "train.log").read_text()
+    assert "keeps one optimizer state per rank (comm=topk); every rank resumes from rank 0's" in log

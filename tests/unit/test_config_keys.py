@@ -161,7 +161,10 @@ KEYS = {
     "comm.warm_start": BOOL,
     "comm.density": (check("comm=topk", "comm.density=0"), "(0, 1]"),
     "comm.warmup_steps": (check("comm=topk", "comm.warmup_steps=-1"), ">= 0"),
-    "comm.warmup_start_density": (check("comm=topk", "comm.warmup_start_density=2"), "[comm.density (0.01), 1]"),
+    "comm.warmup_start_density": (
+        check("comm=topk", "comm.warmup_steps=5", "comm.warmup_start_density=2"),
+        "[comm.density (0.01), 1]",
+    ),
     "comm.momentum": (check("comm=topk", "comm.momentum=0.9"), "optimizer=sgd optimizer.momentum=0"),
     "comm.sync_every": (check("comm=topk", "comm.sync_every=-1"), "an integer >= 0"),
     "comm.feedback": (compose("comm=topk", "comm.feedback=sparse"), "one of update, estimate, residual"),

@@ -37,9 +37,13 @@ BAD_INPUTS = [
     ("checkpoint.emergency_timeout_s=0", "checkpoint.emergency_timeout_s", "> 0"),
     ("comm=topk comm.density=0", "comm.density", "(0, 1]"),
     ("comm=topk comm.density=1.5", "comm.density", "(0, 1]"),
-    ("comm=topk comm.warmup_start_density=0.001", "comm.warmup_start_density", "[comm.density (0.01), 1]"),
+    (
+        "comm=topk comm.warmup_steps=5 comm.warmup_start_density=0.001",
+        "comm.warmup_start_density",
+        "[comm.density (0.01), 1]",
+    ),
     ("comm=topk comm.momentum=0.9", "comm.momentum", "optimizer=sgd optimizer.momentum=0"),
-    ("comm=topk precision=fp16", "comm.feedback", "residual with precision=fp16"),
+    ("comm=topk precision=fp16", "comm.feedback", "residual under precision=fp16"),
     (
         "comm=topk comm.momentum=0.9 optimizer=sgd optimizer.momentum=0",  # momentum correction is residual-only
         "comm.momentum",
