@@ -28,8 +28,8 @@ OPTIONS = {
     "powersgd rank 4": ["comm=powersgd", "comm.rank=4"],
     "powersgd rank 1": ["comm=powersgd", "comm.rank=1"],
     "top-k 1% (update, the default)": ["comm=topk", "comm.density=0.01"],
-    "top-k 1% (update), no sync": ["comm=topk", "comm.density=0.01", "comm.sync_every=0"],
-    "top-k 2% (update), no sync": ["comm=topk", "comm.density=0.02", "comm.sync_every=0"],
+    "top-k 1% (update), sync_every=0": ["comm=topk", "comm.density=0.01", "comm.sync_every=0"],
+    "top-k 2% (update), sync_every=0": ["comm=topk", "comm.density=0.02", "comm.sync_every=0"],
     "top-k 1% (estimate)": ["comm=topk", "comm.density=0.01", "comm.feedback=estimate"],
     "top-k 1% (residual)": ["comm=topk", "comm.density=0.01", "comm.feedback=residual"],
     "top-k 1% (residual), 100-step warm-up from dense": [
@@ -39,7 +39,7 @@ OPTIONS = {
         "comm.warmup_steps=100",
         "comm.warmup_start_density=1.0",
     ],
-    "top-k 0.1% (update), no sync": ["comm=topk", "comm.density=0.001", "comm.sync_every=0"],
+    "top-k 0.1% (update), sync_every=0": ["comm=topk", "comm.density=0.001", "comm.sync_every=0"],
 }
 
 
