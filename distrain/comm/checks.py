@@ -60,12 +60,12 @@ def _validate_topk(cfg: DictConfig) -> list[str]:
             "optimizer's momentum into the compressor)",
         )
     check(cfg, "comm.sync_every", at_least(0), "an integer >= 0 (0: the residual is never sent whole)")
-    if comm.feedback == "update" and cfg.precision.get("grad_scaler") and cfg.precision.name != "fp16":
+    if comm.feedback in ("update", "estimate") and cfg.precision.get("grad_scaler") and cfg.precision.name != "fp16":
         raise ConfigError(
             "precision.grad_scaler",
             True,
-            "false with comm=topk comm.feedback=update (each rank's loss scale would skip its own steps), or "
-            "comm.feedback=residual",
+            f"false with comm=topk comm.feedback={comm.feedback} (a loss scaler skips steps and rescales what the "
+            "feedback holds), or comm.feedback=residual",
         )
     if comm.feedback in ("update", "estimate") and cfg.precision.name == "fp16":
         held = (

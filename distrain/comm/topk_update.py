@@ -97,45 +97,58 @@ class TopKUpdateComm(TopKComm):
     @torch.no_grad()
     def finish_update(self, *, stepped: bool = True) -> dict[str, Any]:
         """Send this step's top-k of (update + residual) and set every rank's parameters to the shared ones plus
-        the mean sent. ``stepped=False`` (a skipped step, the same on every rank) only lets go of the kept copy.
-        Collective: one all-gather of (value, index) pairs (a dense all-reduce on a sync step, before an evaluation
-        or a checkpoint, at the run's last step, or when that is cheaper), and on guard steps one reduce to rank 0
-        on the guard's group. The report has ``update_dropped`` True when the mean was not finite: it is not applied
-        on any rank."""
+        the mean sent. ``stepped=False``: the step was skipped (the same decision on every rank). Collective: one
+        all-gather of (value, index) pairs (a dense all-reduce on a sync step, before an evaluation or a
+        checkpoint, at the run's last step, or when that is cheaper), and on guard steps one reduce to rank 0 on
+        the guard's group. The report has ``update_dropped`` True when the mean was not finite: no rank applies
+        it. A skipped or dropped step that should send everything still sends what was pending before it."""
         if self._shared is None:
             raise RuntimeError("finish_update without gradient_point: the shared parameters were not kept")
         shared, self._shared = self._shared, None
-        if not stepped:
-            return {}
-        candidate = self._flat("pending", self.names)
-        update = self._flat_params() - shared
-        report = self._guard(candidate, update)
-        candidate += update
-        del update
-        launched = self.clock.mark()
-        applied, sent = self._exchange_candidate(candidate)
-        self.intervals.append((launched, self.clock.mark()))
-        dropped = not bool(torch.isfinite(applied).all())  # the same on every rank
-        if not dropped:
-            candidate[sent] = 0
-            self._unflat("pending", self.names, candidate)
-            shared += applied.to(shared.dtype)
+        pending = self._flat("pending", self.names)
+        report: dict[str, Any] = {}
+        applied = False
+        if stepped:
+            update = self._flat_params() - shared
+            report = self._guard(pending)
+            applied = self._send_and_apply(pending + update, shared)
+            if applied:
+                self._extend_window(update)
+        if not applied and self._sends_whole():
+            self._send_and_apply(pending, shared)
         self._write_params(shared)
         return report | {
             "comm_bytes": self.bytes_sent,
             "comm_dense_bytes": self.dense_bytes,
             "comm_intervals": self.intervals,
-            "comm_after_backward": self.intervals[-1:],
-            "update_dropped": dropped,
+            "comm_after_backward": self.intervals[-1:] if self.intervals else [],
+            "update_dropped": stepped and not applied,
         }
+
+    def _sends_whole(self) -> bool:
+        """Whether this step sends the whole residual: a sync step, one the loop evaluates or checkpoints after,
+        or the last (the same answer on every rank)."""
+        return (self.sync_every > 0 and self.step % self.sync_every == 0) or self.is_exact_step(self.step)
+
+    def _send_and_apply(self, candidate: torch.Tensor, shared: torch.Tensor) -> bool:
+        """Exchange ``candidate`` (see ``_exchange_candidate``); if the mean is finite (the same on every rank),
+        keep what was not sent as the residual, add the mean to ``shared`` and return True."""
+        launched = self.clock.mark()
+        mean, sent = self._exchange_candidate(candidate)
+        self.intervals.append((launched, self.clock.mark()))
+        if not bool(torch.isfinite(mean).all()):
+            return False
+        candidate[sent] = 0
+        self._unflat("pending", self.names, candidate)
+        shared += mean.to(shared.dtype)
+        return True
 
     def _exchange_candidate(self, candidate: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The mean over ranks of what each sends, and which entries of ``candidate`` this rank sent (a slice or
         indices). Collective: an all-gather of the top-k pairs, or an all-reduce of the whole vector."""
         total = candidate.numel()
         k = min(total, max(1, math.ceil(self.density_at(self.step) * total)))
-        syncing = (self.sync_every > 0 and self.step % self.sync_every == 0) or self.is_exact_step(self.step)
-        if k * self.world_size >= total or syncing:
+        if k * self.world_size >= total or self._sends_whole():
             vector = candidate.float() / self.world_size
             self.bytes_sent += all_reduce_bytes(vector.numel() * vector.element_size(), self.world_size)
             dist.all_reduce(vector)
@@ -145,25 +158,29 @@ class TopKUpdateComm(TopKComm):
         work.wait()
         return summed(), indices
 
-    def _guard(self, pending: torch.Tensor, update: torch.Tensor) -> dict[str, Any]:
-        """On guard steps: ||pending now|| / ||pending at the last check + updates since||, summed over ranks at
-        the sampled entries (collective: one reduce to rank 0). Every step: adds this step's update to the window."""
+    def _guard(self, pending: torch.Tensor) -> dict[str, Any]:
+        """On guard steps: ||pending now|| / ||pending at the last check + updates applied since||, summed over
+        ranks at the sampled entries (collective: one reduce to rank 0)."""
         if self.quality_every <= 0 or not self.registered:
             return {}
         if self._positions is None:
             self._start_window(pending)
-        report: dict[str, Any] = {}
-        if self.step % self.quality_every == 0:
-            parts = torch.stack([pending[self._positions].float(), self._due])
-            dist.reduce(parts, dst=0, op=dist.ReduceOp.SUM, group=self._group)
-            self._due = pending[self._positions].float()
-            if self.rank == 0:
-                pending_norm, due = parts[0].norm().item(), parts[1].norm().item()
-                error = pending_norm / due if due > 0 else (0.0 if pending_norm == 0 else math.nan)
-                self._note(error)
-                report = {"comm_quality": {"grad_compression_error": error}}
-        self._due += update[self._positions].float()
-        return report
+        if self.step % self.quality_every != 0:
+            return {}
+        parts = torch.stack([pending[self._positions].float(), self._due])
+        dist.reduce(parts, dst=0, op=dist.ReduceOp.SUM, group=self._group)
+        self._due = pending[self._positions].float()
+        if self.rank != 0:
+            return {}
+        pending_norm, due = parts[0].norm().item(), parts[1].norm().item()
+        error = pending_norm / due if due > 0 else (0.0 if pending_norm == 0 and due == 0 else math.nan)
+        self._note(error)
+        return {"comm_quality": {"grad_compression_error": error}}
+
+    def _extend_window(self, update: torch.Tensor) -> None:
+        """Count an applied step's update in the guard's window."""
+        if self._positions is not None:
+            self._due += update[self._positions].float()
 
     def _start_window(self, pending: torch.Tensor) -> None:
         """The sampled entries as flat positions; the window starts with what is pending (nonzero after a resume)."""

@@ -96,15 +96,17 @@ def test_on_one_rank_training_follows_dense_and_accumulation_changes_nothing():
     assert not all(torch.equal(whole["params"][k], dense["params"][k]) for k in dense["params"])
 
 
-def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank():
+@pytest.mark.parametrize("sync_every", [4, 3])
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(sync_every):
     """The clipping norm is shared (an all-reduce of the ranks' squared norms), so a NaN on rank 1 alone makes
-    both ranks skip step 3; the exchange is not entered and the parameters stay finite and equal."""
-    cfg = to_plain(compose_config([*FAST, *SPARSE, "trainer.on_nonfinite=skip"]))
+    both ranks skip step 3 and the parameters stay finite; only when step 3 is a sync step is the residual pending
+    from steps 1-2 still sent whole, so the parameters move."""
+    cfg = to_plain(compose_config([*FAST, *SPARSE, f"comm.sync_every={sync_every}", "trainer.on_nonfinite=skip"]))
     per_rank = on_ranks(poisoned_run, 2, cfg, 3, 1, 6)
     for rank in (0, 1):
         history = per_rank[rank]
         assert [h["skipped"] for h in history] == [False, False, True, False, False, False], history
-        assert history[2]["unchanged"] and all(h["finite"] for h in history)
+        assert history[2]["unchanged"] == (sync_every != 3) and all(h["finite"] for h in history)
 
 
 def test_a_checkpoint_of_top_k_updates_resumes_under_another_layout(tmp_path):
