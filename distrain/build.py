@@ -72,11 +72,6 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         apply_compile(model, cfg.compile_scope, cfg.compile_backend)
     precision = instantiate(cfg.precision)
     comm = instantiate(cfg.comm)
-    comm.set_schedule(
-        total_steps=settings.max_steps,
-        eval_every=settings.eval_every,
-        checkpoint_every=cfg.checkpoint.get("every_n_steps", 0),
-    )
     strategy.setup(
         model,
         StrategyContext(
@@ -101,14 +96,20 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         max_steps=settings.max_steps,
         progress_bar=settings.progress_bar,
     )
+    checkpointer = instantiate(cfg.checkpoint)(
+        run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    )
+    # The steps the loop evaluates or checkpoints after, from the loop's own rules: a comm option that holds
+    # updates back sends everything there.
+    comm.set_schedule(
+        lambda step: settings.evaluates_after(step) or checkpointer.due(step, final=step == settings.max_steps)
+    )
     return RankRun(
         strategy=strategy,
         data=data,
         val_batches=val_batches,
         reporter=reporter,
-        checkpointer=instantiate(cfg.checkpoint)(
-            run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        ),
+        checkpointer=checkpointer,
         settings=settings,
         window=LogWindow(
             device=env.device,

@@ -218,6 +218,10 @@ class TrainerConfig:
     overfit_batches: int = 0  # >0: train on only the first N global batches, over and over (a model that learns)
     detect_anomaly: bool = False  # autograd anomaly detection: the op that made a NaN/inf, with its traceback (slow)
 
+    def evaluates_after(self, step: int) -> bool:
+        """Whether the loop evaluates after optimizer step ``step`` (every ``eval_every``, and the last)."""
+        return (self.eval_every > 0 and step % self.eval_every == 0) or step == self.max_steps
+
 
 @dataclass(kw_only=True)
 class MonitorConfig:

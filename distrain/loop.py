@@ -178,7 +178,7 @@ def _step(loop: _Loop) -> None:
             record["model_state_bytes"] = strategy.model_state_bytes().total
         loop.logged_losses.append(record["loss"])
     paused = time.perf_counter()
-    if (settings.eval_every > 0 and state.step % settings.eval_every == 0) or final:
+    if settings.evaluates_after(state.step):
         loop.val_loss = record["val_loss"] = evaluate(strategy, loop.val_batches, loop.device)
     if loop.checkpointer.due(state.step, final=final):
         loop.checkpointer.save(state.step, strategy, loop_state(state, loop.data), blocking=final)

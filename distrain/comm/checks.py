@@ -68,11 +68,10 @@ def _validate_topk(cfg: DictConfig) -> list[str]:
             "feedback holds), or comm.feedback=residual",
         )
     if comm.feedback in ("update", "estimate") and cfg.precision.name == "fp16":
-        held = (
-            "each rank's loss scale would skip its own steps"
-            if comm.feedback == "update"
-            else ("estimates hold loss-scaled gradients, and the scale changes")
-        )
+        held = {
+            "update": "each rank's loss scale would skip its own steps",
+            "estimate": "estimates hold loss-scaled gradients, and the scale changes",
+        }[comm.feedback]
         raise ConfigError(
             "comm.feedback",
             comm.feedback,

@@ -42,9 +42,6 @@ class DDPComm:
     # (``comm=topk comm.feedback=update``): the strategy then clips with a norm all ranks share, keeps the
     # optimizer's state per rank, and calls ``finish_update`` after the optimizer step.
     local_steps = False
-    # The steps after which the loop evaluates or checkpoints, and the last (``set_schedule``): an option that
-    # holds updates back sends them there, so evaluations and checkpoints see every update.
-    exact_steps: tuple[int, int, int] = (0, 0, 0)  # (last step, evaluate every, checkpoint every); 0: none
 
     def __init__(self, *, name: str, bucket_cap_mb: float, gradient_as_bucket_view: bool, static_graph: bool) -> None:
         self.name = name
@@ -138,14 +135,15 @@ class DDPComm:
         the step's report."""
         return {}
 
-    def set_schedule(self, *, total_steps: int, eval_every: int, checkpoint_every: int) -> None:
-        """The run's last optimizer step and how often the loop evaluates and checkpoints (0: never)."""
-        self.exact_steps = (total_steps, eval_every, checkpoint_every)
+    def set_schedule(self, is_exact_step: Callable[[int], bool]) -> None:
+        """Which optimizer steps the loop evaluates or checkpoints after (the last among them): an option that
+        holds updates back sends them there, so evaluations and checkpoints see every update."""
+        self.is_exact_step = is_exact_step
 
     def is_exact_step(self, step: int) -> bool:
-        """Whether the loop evaluates or checkpoints after optimizer step ``step``, or it is the last."""
-        last, eval_every, checkpoint_every = self.exact_steps
-        return step == last or any(every > 0 and step % every == 0 for every in (eval_every, checkpoint_every))
+        """Whether the loop evaluates or checkpoints after optimizer step ``step`` (none until ``set_schedule``)."""
+        del step
+        return False
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Per-rank state a checkpoint must keep for an exact resume (error feedback residuals); live tensors, so

@@ -241,11 +241,21 @@ class TopKComm(CompressedComm):
         return mean
 
     def _flat(self, kind: str, names: list[str]) -> torch.Tensor:
-        return torch.cat([self.state[kind][name].reshape(-1) for name in names])
+        return flatten([self.state[kind][name] for name in names])
 
     def _unflat(self, kind: str, names: list[str], flat: torch.Tensor) -> None:
-        offset = 0
-        for name in names:
-            tensor = self.state[kind][name]
-            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+        copy_from_flat([self.state[kind][name] for name in names], flat)
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One new 1-D tensor holding ``tensors`` one after another."""
+    return torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
+
+
+@torch.no_grad()
+def copy_from_flat(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive slices of ``flat`` into ``tensors`` in place (the inverse of ``flatten``)."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain.comm.topk import TopKComm
+from distrain.comm.topk import TopKComm, copy_from_flat, flatten
 from distrain.comm.traffic import all_reduce_bytes
 from distrain.dist import DistEnv
 
@@ -192,11 +192,7 @@ class TopKUpdateComm(TopKComm):
         self._due = pending[self._positions].float()
 
     def _flat_params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for _, p in self.params])
+        return flatten([p for _, p in self.params])
 
     def _write_params(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            offset = 0
-            for _, p in self.params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        copy_from_flat([p for _, p in self.params], flat)

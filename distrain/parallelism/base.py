@@ -10,7 +10,6 @@ only ever calls ``setup``, ``train_step``, ``eval_loss``, the checkpoint pair an
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
@@ -41,9 +40,6 @@ from distrain.precision.policy import PrecisionPolicy
 # (named_parameters, replicated_over=group or None) -> optimizer: ``distrain.optim.optimizers``.
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
-
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -201,12 +197,10 @@ def clip_local_gradients(parameters: Iterable[nn.Parameter], max_norm: float, wo
     of the ranks' gradient norms, the same on every rank (one all-reduce of a scalar on the default group), so all
     ranks scale alike and agree on a non-finite norm; the threshold is ``max_norm / sqrt(world_size)`` (Deep
     Gradient Compression's local clipping: a rank's gradient is noisier than the mean). Returns that norm."""
-    with_grads = [p for p in parameters if p.grad is not None]
-    squared = get_total_norm([p.grad for p in with_grads]).float() ** 2
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squared = get_total_norm(grads).float() ** 2
     dist.all_reduce(squared)
-    norm = (squared / world_size).sqrt()
-    clip_grads_with_norm_(with_grads, max_norm / world_size**0.5, norm)
-    return norm.detach()
+    return scale_to_norm(grads, squared / world_size, max_norm / world_size**0.5).detach()
 
 
 class LocalBackwardStrategy:
@@ -317,9 +311,9 @@ class LocalBackwardStrategy:
     def clip_gradients(self) -> torch.Tensor:
         """Unscale, then clip to the global norm; returns the norm before clipping (computed either way)."""
         self.scaler.unscale_(self.optimizer)
-        max_norm = self.ctx.grad_clip_norm if self.ctx.grad_clip_norm > 0 else float("inf")
         if self.ctx.comm.local_steps:
-            return clip_local_gradients(self.model.parameters(), max_norm, self.ctx.env.world_size)
+            return clip_local_gradients(self.model.parameters(), self.ctx.grad_clip_norm, self.ctx.env.world_size)
+        max_norm = self.ctx.grad_clip_norm if self.ctx.grad_clip_norm > 0 else float("inf")
         norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
 
