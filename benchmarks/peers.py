@@ -86,7 +86,12 @@ def main() -> None:
         from peer_loops import WORKERS
 
         WORKERS[args.worker](args.world_size, args.steps, args.result)
-        return
+        # The result is written and the process group torn down; skip the interpreter's teardown, where a
+        # framework's leftover native thread aborted a finished worker ("terminate called without an active
+        # exception": seen once each for Lightning and Accelerate in CI).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in PEERS:
