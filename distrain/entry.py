@@ -19,10 +19,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from distrain.artifacts.outputs import check_writable
 from distrain.checkpoint.checkpointer import checkpoint_step
 from distrain.checkpoint.preflight import prepare_checkpoint_dir
 from distrain.config import register_configs
-from distrain.errors import RunError, run_error_line
+from distrain.errors import ArtifactError, RunError, run_error_line
 from distrain.launch import (
     ChildFailedError,
     adopt_slurm_tasks,
@@ -59,9 +60,23 @@ def prepare_command_line(argv: list[str]) -> None:
     argv[1:] = quote_group_options(argv[1:])
     overrides = plain_overrides(argv[1:])
     problem = composition_error(overrides) if overrides is not None and not inside_launcher() else None
+    problem = problem or run_directory_problem(argv[1:])
     if problem:
         print(f"distrain: invalid config: {problem}", file=sys.stderr)
         sys.exit(2)
+
+
+def run_directory_problem(argv: list[str]) -> str | None:
+    """Hydra creates the run (or sweep) directory before distrain's code runs, with a traceback when it cannot: a
+    directory given on the command line is inspected first (the default, ``outputs/`` here, like any other)."""
+    for arg in argv:
+        key, equals, value = arg.lstrip("+").partition("=")
+        if equals and key in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
+            try:
+                check_writable(value, directory=True)
+            except ArtifactError as err:
+                return f"{key}={value} is not allowed: a writable directory ({err})"
+    return None
 
 
 def run(cfg: DictConfig) -> float | None:

@@ -28,6 +28,16 @@ class CheckpointSpaceError(RunError):
         )
 
 
+class ArtifactError(RunError, ValueError):
+    """A file or directory a user handed us that cannot be used: ``where`` (its path, or the config key or flag
+    that named it), what is wrong with it. Raised by the inspectors of ``distrain.artifacts`` before any rank
+    starts; raised inside a rank (data found damaged while reading it) it ends the job with this one line."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        self.where, self.problem = str(where), problem
+        super().__init__(f"{where}: {problem}")
+
+
 class UnresponsiveRankError(RunError):
     """A peer stopped taking part in collectives (stopped, hung, or spinning in user code)."""
 

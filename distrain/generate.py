@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from distrain.checkpoint.checkpointer import newest_valid, step_directories
+from distrain.artifacts.checkpoint import Checkpoint, inspect_checkpoint
+from distrain.artifacts.hf_directory import read_config
+from distrain.artifacts.tokenizer import inspect_tokenizer
 from distrain.checkpoint.export import consolidated_model_state
 from distrain.config import register_configs
-from distrain.errors import first_line
 
 
 class ByteTokenizer:
@@ -42,14 +43,8 @@ class ByteTokenizer:
 class FileTokenizer:
     """A Hugging Face ``tokenizers`` file (``tokenizer.json``), decoding special tokens as text is not wanted."""
 
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
-
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises its own exception types for unreadable files
-            detail = first_line(err)
-            raise ValueError(f"{path}: an unreadable tokenizer ({detail})") from None
+    def __init__(self, path: Path, max_vocab: int | None = None) -> None:
+        self.tokenizer = inspect_tokenizer(path, max_vocab=max_vocab, used_by="this checkpoint's model").tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -75,15 +70,24 @@ def find_tokenizer(cfg: DictConfig, override: str | None) -> ByteTokenizer | Fil
     source = cfg.model.get("name_or_path") or cfg.model.get("init_from")
     if source and not override:
         candidates.append(Path(source))
+    vocab = model_vocab(cfg)
+    if override:
+        return FileTokenizer(Path(override), vocab)  # its inspector names what is wrong with it
     for candidate in candidates:
         file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
         if file.is_file():
-            return FileTokenizer(file)
-    if override:
-        raise ValueError(f"--tokenizer {override}: no tokenizer.json there")
+            return FileTokenizer(file, vocab)
     if not cfg.data.get("path") and cfg.model.get("vocab_size") == 256:
         return ByteTokenizer()
     raise ValueError("the run's data has no tokenizer beside it; give one with --tokenizer PATH (or bytes)")
+
+
+def model_vocab(cfg: DictConfig) -> int | None:
+    """The ids the run's model has embeddings for: ``model.vocab_size``, else its Hugging Face config.json's."""
+    if isinstance(cfg.model.get("vocab_size"), int):
+        return cfg.model.vocab_size
+    source = cfg.model.get("name_or_path")
+    return read_config(Path(source)).vocab_size if source else None
 
 
 @torch.no_grad()
@@ -115,36 +119,15 @@ def sample(
     return ids[0, len(prompt) :].tolist()
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A ``step_*`` directory as given; a run directory or its ``checkpoints/``: the newest complete checkpoint
-    there (as ``checkpoint.resume=auto`` picks it)."""
-    if (path / "config.yaml").is_file():
-        return path
-    for directory in (path / "checkpoints", path):
-        if steps := step_directories(directory):
-            newest = newest_valid(directory, report=False)
-            if newest is None:
-                raise ValueError(f"{directory} holds no complete checkpoint (every step_* fails its manifest check)")
-            if newest != steps[-1]:
-                print(f"distrain generate: using {newest.name}; newer checkpoints fail their check", file=sys.stderr)
-            return newest
-    raise ValueError(f"{path}: no checkpoint there (a step_* directory, or a run directory with checkpoints/)")
-
-
-def load_model(checkpoint: Path, device: str) -> tuple[torch.nn.Module, DictConfig]:
+def load_model(checkpoint: Path | Checkpoint, device: str) -> tuple[torch.nn.Module, DictConfig]:
     """The checkpoint's model with its weights, in eval mode on ``device``, and the run's resolved config."""
-    config_file = checkpoint / "config.yaml"
-    if not config_file.is_file():
-        raise ValueError(f"{checkpoint} has no config.yaml (a step_* checkpoint directory is expected)")
-    try:
-        cfg = OmegaConf.load(config_file)
-    except Exception as err:  # a damaged file: YAML's own error types
-        raise ValueError(f"{config_file}: unreadable ({type(err).__name__})") from None
+    found = checkpoint if isinstance(checkpoint, Checkpoint) else inspect_checkpoint(checkpoint, tool="generate")
+    cfg = found.config
     model_cfg = cfg.model.copy()
     if "init_from" in model_cfg:
         model_cfg.init_from = None  # the checkpoint holds the weights
     model = instantiate(model_cfg)
-    model.load_state_dict(consolidated_model_state(checkpoint))
+    model.load_state_dict(consolidated_model_state(found.path))
     return model.to(device).eval(), cfg
 
 
@@ -168,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1 or not 0 <= args.temperature < math.inf or args.top_k < 0:
             raise ValueError("--max-new-tokens must be >= 1, --temperature a finite number >= 0, --top-k >= 0")
         check_device(args.device)
+        found = inspect_checkpoint(args.checkpoint, tool="generate")
+        tokenizer = find_tokenizer(found.config, args.tokenizer)  # before the model: a bad one fails at once
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's loader prints: stdout holds only the text
-            model, cfg = load_model(resolve_checkpoint(args.checkpoint), args.device)
-        tokenizer = find_tokenizer(cfg, args.tokenizer)
+            model, cfg = load_model(found, args.device)
         text = _generate(model, cfg, tokenizer, args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError) as err:  # ArtifactError included
         print(f"distrain generate: {err}", file=sys.stderr)
         return 2
     print(args.prompt + text)

@@ -17,15 +17,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from distrain.artifacts.outputs import check_writable
+from distrain.artifacts.token_dataset import inspect_token_dataset
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.comm.checks import validate_comm
 from distrain.config_checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.data.corpus import CorpusTooSmall
 from distrain.data.sampler import GlobalBatchSampler, longest_window, token_windows
 from distrain.data.token_format import DataError
-from distrain.data.tokens import check_dataset
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
 from distrain.dist import resolve_device_type
+from distrain.errors import ArtifactError
 from distrain.launch import default_nproc_per_node, inside_launcher
 from distrain.logger.mlflow_tracker import absolute_tracking_uri
 from distrain.logger.trackers import TrackerSetupError
@@ -242,7 +244,11 @@ def _validate_model_and_data(cfg: DictConfig) -> nn.Module | None:
 def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
     """Periods, paths, the checkpoint to resume from (its files, and for zero its world size), async saves."""
     check(cfg, "checkpoint.every_n_steps", at_least(0), "an integer >= 0 (0: no periodic checkpoints)")
-    check(cfg, "checkpoint.dir", lambda v: v is None or not Path(v).is_file(), "a directory (this path is a file)")
+    if cfg.checkpoint.dir:
+        try:
+            check_writable(cfg.checkpoint.dir, directory=True)
+        except ArtifactError as err:
+            raise ConfigError("checkpoint.dir", cfg.checkpoint.dir, f"a writable directory ({err})") from None
     check(cfg, "checkpoint.keep_last", at_least(0), "an integer >= 0 (0: keep all)")
     resume = cfg.checkpoint.resume
     problem = None if resume in ("never", "auto") else checkpoint_problem(Path(resume))
@@ -301,7 +307,7 @@ def _validate_dataset(cfg: DictConfig) -> None:
     if not path:
         raise ConfigError("data.path", path, "a dataset directory (python -m distrain.data.prepare's output)")
     try:
-        check_dataset(path, checksums=bool(cfg.data.get("verify_checksums", True)))
+        inspect_token_dataset(path, checksums=bool(cfg.data.get("verify_checksums", True)))
     except DataError as err:
         raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -66,9 +67,17 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"{name} is missing"
         if file.stat().st_size != expected["bytes"]:
             return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
-        if _sha256(file) != expected["sha256"]:
+        if _hashed(str(file), file.stat().st_mtime_ns, file.stat().st_size) != expected["sha256"]:
             return f"{name} does not match its checksum"
     return unsafe_content(path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hashed(path: str, mtime_ns: int, size: int) -> str:
+    """A file's SHA-256, once per version of it (``mtime_ns``, ``size``): a tool checks a checkpoint, then reads
+    it through a function that checks it again, and large checkpoints take seconds to hash."""
+    del mtime_ns, size  # part of the cache key only
+    return _sha256(Path(path))
 
 
 def checkpoint_bytes(path: Path) -> int:

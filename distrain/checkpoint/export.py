@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from distrain.artifacts.checkpoint import inspect_checkpoint
+from distrain.artifacts.outputs import check_writable
 from distrain.checkpoint.checkpointer import checkpoint_problem
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
 from distrain.models.spec import spec_of
@@ -77,9 +79,10 @@ def _deepspeed_model_state(path: Path) -> dict[str, torch.Tensor]:
     return {name: tensor.contiguous() for name, tensor in lazy.items()}  # fp32 master weights, one at a time
 
 
-def consolidated_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """The full model state dict stored in checkpoint ``path`` (a ``step_*`` directory), on CPU."""
-    problem = checkpoint_problem(path)
+def consolidated_model_state(path: Path, *, inspected: bool = False) -> dict[str, torch.Tensor]:
+    """The full model state dict stored in checkpoint ``path`` (a ``step_*`` directory), on CPU; ``inspected``:
+    its inspector already checked its files against the manifest (each is hashed once)."""
+    problem = None if inspected else checkpoint_problem(path)
     if problem:
         raise ValueError(f"{path} is not a usable checkpoint: {problem}")
     if (path / CHECKPOINT_TAG).is_dir():
@@ -125,18 +128,11 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
     problem = output_problem(out, hf=True, overwrite=True)  # never deletes what an export did not write
     if problem:
         raise ValueError(problem)
-    config_file = path / "config.yaml"
-    if not path.is_dir():
-        raise ValueError(f"{path}: no such checkpoint directory")
-    if not config_file.is_file():
-        raise ValueError(f"{path} has no config.yaml naming its model (a step_* checkpoint directory is expected)")
-    run_cfg = OmegaConf.load(config_file)
+    found = inspect_checkpoint(path, tool="export")  # model=hf: its source directory must still be there
+    config_file, run_cfg = found.path / "config.yaml", found.config
     model_cfg = run_cfg.model
     data_tokenizer = data_tokenizer_file(run_cfg)
     tokenizer = [] if data_tokenizer else tokenizer_files(model_cfg)
-    source = model_cfg.get("name_or_path")
-    if source and not Path(source).is_dir():  # model=hf: its config.json describes the model, weights aside
-        raise ValueError(f"model.name_or_path={source}, the Hugging Face directory this run trained from, is gone")
     if "init_from" in model_cfg:
         model_cfg.init_from = None  # the checkpoint holds the weights
     try:
@@ -152,7 +148,7 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
         )
     hf_config = spec.hf_config(model)
     hf_config.dtype = torch.float32  # the weights written; a source saved in bf16 would otherwise load as bf16
-    state = spec.to_hf(consolidated_model_state(path))
+    state = spec.to_hf(consolidated_model_state(found.path, inspected=True))
     if getattr(hf_config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # transformers ties it to the embedding; safetensors stores no shared tensors
     partial = out.with_name(out.name + ".tmp")
@@ -220,14 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=("torch", "hf"), default="torch", help="torch.save file or HF directory")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT when an earlier export wrote it")
     args = parser.parse_args(argv)
-    problem = output_problem(args.out, args.format == "hf", args.overwrite)
-    if problem:
-        print(f"distrain export: {problem}", file=sys.stderr)
-        return 2
-    try:
+    try:  # where it writes first (nothing read yet), then what it reads
+        check_writable(args.out, directory=args.format == "hf")
+        problem = output_problem(args.out, args.format == "hf", args.overwrite)
+        if problem:
+            raise ValueError(problem)
+        checkpoint = inspect_checkpoint(args.checkpoint, tool="export").path
         export = export_hf if args.format == "hf" else export_checkpoint
-        counts = export(args.checkpoint, args.out)
-    except (ValueError, FileNotFoundError) as err:
+        counts = export(checkpoint, args.out)
+    except (ValueError, FileNotFoundError) as err:  # ArtifactError included
         print(f"distrain export: {err}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: {counts['tensors']} tensors, {counts['bytes'] / 2**20:.1f} MiB")

@@ -51,6 +51,8 @@ class TokensCorpusConfig:
 
     _target_: str = "distrain.data.tokens.token_corpus"
     path: str = "${data.path}"
+    # Ids at or above the model's vocabulary are refused as windows are read (null: the index's vocab_size only).
+    vocab_limit: int | None = "${oc.select:model.vocab_size,null}"
 
 
 @dataclass(kw_only=True)

@@ -29,12 +29,14 @@ import numpy as np
 import tokenizers
 from tqdm import tqdm
 
+from distrain.artifacts.outputs import check_writable, refuse_replacing
 from distrain.data.documents import ReadStats, batches, find_input_files, iter_documents
 from distrain.data.prepare_output import (
     TEMPORARY,
     TOKENIZER,
     ShardWriter,
     build_summary,
+    foreign_outputs,
     fresh_temporary,
     input_fingerprints,
     is_output,
@@ -57,6 +59,7 @@ from distrain.data.tokenizer_files import (
     worker_pool,
     worker_tokenizer,
 )
+from distrain.errors import ArtifactError
 
 PREPARE_VERSION = 1  # bumped when the same inputs and settings would give different shards
 DEFAULT_SHARD_TOKENS = 1 << 28
@@ -98,18 +101,24 @@ def prepare(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     eos_token: str | None = None,
     min_frequency: int = 2,
+    overwrite: bool = False,
     progress: bool | None = None,
     quiet: bool = False,
 ) -> dict:
     """Tokenise ``inputs`` into the dataset directory ``out``; the summary (also printed as one line on stdout
     unless ``quiet``). ``workers``: tokenising processes (default: the CPUs this process may use); ``progress``:
-    the tqdm bar on stderr (default: when stderr is a terminal). DataError for bad input or options."""
+    the tqdm bar on stderr (default: when stderr is a terminal); ``overwrite``: replace files of prepare's output
+    names (``train.json``, shards, ...) that an earlier prepare did not write. DataError for bad input or options,
+    ArtifactError for an output directory that cannot be written or holds files that are not prepare's."""
     started = time.perf_counter()
     workers = _available_cpus() if workers is None else workers
     _check_options(workers, val_fraction, shard_tokens, min_frequency, text_field)
     out = Path(out).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise DataError(str(out), "is a file; --out wants a directory (created when missing)")
+    check_writable(out, directory=True)
+    if not overwrite and (foreign := foreign_outputs(out)):  # the user's own train.json is not ours to replace
+        refuse_replacing(foreign[0], writer="python -m distrain.data.prepare", flag="--overwrite")
     # Never a file prepare wrote, even with --out inside (or equal to) an input directory.
     files = find_input_files(inputs, exclude=out, skip=lambda path: is_output(out, path))
     source = None if str(tokenizer) == "bpe" else resolve_tokenizer_path(tokenizer)
@@ -344,6 +353,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N", help="tokens per shard (default 2^28)")
     add("--eos-token", default=None, metavar="TOKEN", help=f"ends each document (default: the model's, {DEFAULT_EOS})")
     add("--min-frequency", type=int, default=2, metavar="N", help="bpe: least count of a merged pair (default 2)")
+    add(
+        "--overwrite",
+        action="store_true",
+        help="replace files in DATA_DIR named like prepare's output it did not write",
+    )
     return parser
 
 
@@ -356,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = {key: value for key, value in vars(args).items() if key not in ("input", "out")}
     try:
         prepare(args.input, args.out, **options)
-    except DataError as err:
+    except ArtifactError as err:  # DataError included
         print(f"distrain prepare: {err}", file=sys.stderr)
         return 2
     except WorkerDied as err:  # killed, out of memory: the run is lost, the previous dataset kept

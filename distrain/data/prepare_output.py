@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from distrain.data.token_format import (
+    FORMAT,
     SPLITS,
     DataError,
     Shard,
@@ -105,6 +106,42 @@ def is_output(out: Path, path: Path) -> bool:
         return True
     written = (RECORD, TOKENIZER, *(f"{split}.json" for split in SPLITS))
     return path.parent == out and (path.name in written or SHARD_NAME.fullmatch(path.name) is not None)
+
+
+def foreign_outputs(out: Path) -> list[Path]:
+    """Files in ``out`` that a run would replace but no prepare wrote: a ``train.json``/``val.json`` that is not a
+    token index, a ``prepare.json`` that is not prepare's record, a ``tokenizer.json`` with no sign of an earlier
+    run beside it (its record, its shards, an interrupted run's temporary directory)."""
+    if not out.is_dir():
+        return []
+    foreign = [
+        out / f"{split}.json"
+        for split in SPLITS
+        if (out / f"{split}.json").is_file() and not _is_index(out / f"{split}.json")
+    ]
+    earlier_run = (
+        (out / TEMPORARY).is_dir() or _has_record(out) or any(SHARD_NAME.fullmatch(p.name) for p in out.iterdir())
+    )
+    if (out / RECORD).is_file() and not _has_record(out):
+        foreign.append(out / RECORD)
+    if (out / TOKENIZER).is_file() and not earlier_run:
+        foreign.append(out / TOKENIZER)
+    return sorted(foreign)
+
+
+def _is_index(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _has_record(out: Path) -> bool:
+    try:
+        record = json.loads((out / RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"version", "settings"} <= record.keys()
 
 
 def fresh_temporary(out: Path) -> Path:

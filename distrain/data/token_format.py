@@ -35,17 +35,16 @@ from pathlib import Path
 
 import numpy as np
 
+from distrain.errors import ArtifactError
+
 FORMAT, VERSION = "distrain.tokens", 1
 SPLITS = ("train", "val")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
-class DataError(ValueError):
-    """Data that cannot be trained on: ``where`` (a config key or a file), what is wrong with it."""
-
-    def __init__(self, where: str, problem: str) -> None:
-        self.where, self.problem = where, problem
-        super().__init__(f"{where}: {problem}")
+class DataError(ArtifactError):
+    """Data that cannot be trained on: ``where`` (a config key or a file), what is wrong with it. Found inside a
+    rank (an id above the vocabulary in a window being read) it ends the job with this one line."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +121,12 @@ def read_index(directory: Path, split: str) -> SplitIndex:
     path = directory / f"{split}.json"
     try:
         body = json.loads(path.read_text())
+        if not isinstance(body, dict):
+            raise DataError(
+                str(path),
+                f"not a {FORMAT} index (a JSON {type(body).__name__}, not an object): "
+                "a prepared dataset is python -m distrain.data.prepare's output",
+            )
         if body.get("format") != FORMAT or body.get("version") != VERSION:
             raise DataError(str(path), f"not a {FORMAT} v{VERSION} index (format {body.get('format')!r})")
         shards = tuple(Shard(**shard) for shard in body["shards"])
@@ -131,9 +136,27 @@ def read_index(directory: Path, split: str) -> SplitIndex:
         if isinstance(err, DataError):
             raise
         raise DataError(str(path), f"an unreadable index ({type(err).__name__}: {err})") from None
+    _check_types(path, index)
     if index.dtype not in DTYPES:
         raise DataError(str(path), f"dtype {index.dtype!r} is not one of {', '.join(DTYPES)}")
     return index
+
+
+def _check_types(path: Path, index: SplitIndex) -> None:
+    """Counts are integers >= 0, names strings: an index edited by hand fails here, not inside a rank."""
+    counts = {"vocab_size": index.vocab_size, "tokens": index.tokens, "max_token_id": index.max_token_id}
+    counts |= {f"shards[{n}].tokens": shard.tokens for n, shard in enumerate(index.shards)}
+    for field, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise DataError(str(path), f"{field} is {json.dumps(value)}, not an integer >= 0")
+    for field, value in {
+        "dtype": index.dtype,
+        **{f"shards[{n}].file": s.file for n, s in enumerate(index.shards)},
+    }.items():
+        if not isinstance(value, str):
+            raise DataError(str(path), f"{field} is {json.dumps(value)}, not a string")
+    if not index.shards:
+        raise DataError(str(path), "names no shard")
 
 
 def _nanogpt_index(directory: Path, split: str) -> SplitIndex:

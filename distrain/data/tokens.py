@@ -18,8 +18,7 @@ import torch
 
 from distrain.data.corpus import TokenCorpus
 from distrain.data.sampler import Batch
-from distrain.data.token_format import SPLITS, DataError, SplitIndex, has_index, is_nanogpt, read_index, verify_split
-from distrain.errors import first_line
+from distrain.data.token_format import SPLITS, DataError, SplitIndex, has_index, is_nanogpt, read_index
 
 
 class ShardedTokens:
@@ -31,8 +30,10 @@ class ShardedTokens:
     (measured: 1.4 GB on a 1.4 GB dataset). ``os.pread`` copies only the window into the process.
     """
 
-    def __init__(self, directory: Path, index: SplitIndex) -> None:
+    def __init__(self, directory: Path, index: SplitIndex, vocab_limit: int | None = None) -> None:
         self.directory, self.index = Path(directory), index
+        # Ids at or above this are refused as windows are read: the index's vocabulary, or the model's if smaller.
+        self.vocab_limit = min(index.vocab_size, vocab_limit or index.vocab_size)
         self.itemsize = index.numpy_dtype.itemsize
         self._files: list[int] | None = None
 
@@ -90,10 +91,22 @@ class ShardedWindows:
         for row, (window, shard) in enumerate(zip(indices.tolist(), shard_of.tolist(), strict=True)):
             offset = (window - int(self.starts[shard])) * self.seq_len
             rows[row] = self.tokens.read(shard, offset, self.seq_len + 1)
-        if rows.size and rows.max() >= self.tokens.index.vocab_size:  # an index that understates its ids
-            raise DataError(str(self.tokens.directory), f"holds id {rows.max()}, not below its vocab_size")
+        if rows.size and rows.max() >= self.tokens.vocab_limit:  # an index that understates its ids
+            self._refuse(rows, shard_of)
         windows = torch.from_numpy(rows)
         return Batch(inputs=windows[:, :-1], targets=windows[:, 1:])
+
+    def _refuse(self, rows: np.ndarray, shard_of: np.ndarray) -> None:
+        """A window holds an id the model has no embedding for: a DataError (a ``RunError``: one line, every rank
+        stopped) naming the shard, raised before the id reaches an embedding lookup (an IndexError in a step)."""
+        row = int(rows.max(axis=1).argmax())
+        shard = self.tokens.index.shards[int(shard_of[row])].file
+        raise DataError(
+            str(self.tokens.directory / shard),
+            f"holds token id {int(rows[row].max())}, not below {self.tokens.vocab_limit} (the vocabulary of the model "
+            f"and of {self.tokens.index.split}.json, whose max_token_id {self.tokens.index.max_token_id} is wrong): "
+            "prepare the dataset again",
+        )
 
 
 def dataset_directory(path: str | Path) -> Path:
@@ -113,14 +126,15 @@ def dataset_directory(path: str | Path) -> Path:
     )
 
 
-def token_corpus(path: str) -> TokenCorpus:
-    """The dataset at ``path`` as a corpus whose splits are ``ShardedTokens`` (no token is read here)."""
+def token_corpus(path: str, vocab_limit: int | None = None) -> TokenCorpus:
+    """The dataset at ``path`` as a corpus whose splits are ``ShardedTokens`` (no token is read here); a window
+    holding an id at or above ``vocab_limit`` (the model's vocabulary) or the index's ``vocab_size`` is refused."""
     directory = dataset_directory(path)
     train, val = (read_index(directory, split) for split in SPLITS)
     return TokenCorpus(
         name=f"tokens:{directory.name}",
-        train=ShardedTokens(directory, train),
-        val=ShardedTokens(directory, val),
+        train=ShardedTokens(directory, train, vocab_limit),
+        val=ShardedTokens(directory, val, vocab_limit),
         vocab_size=max(train.vocab_size, val.vocab_size),
     )
 
@@ -146,27 +160,6 @@ def tokenizer_path(path: str | Path) -> Path | None:
     directory = dataset_directory(path)
     name = read_index(directory, "train").tokenizer
     return directory / name if name else None
-
-
-def check_dataset(path: str, *, checksums: bool) -> None:
-    """Everything about the dataset at ``path`` that can be wrong before any rank starts, in one DataError: the
-    directory, both indexes, every shard's size (and SHA-256 with ``checksums``), and the tokenizer file."""
-    directory = dataset_directory(path)
-    for split in SPLITS:
-        index = read_index(directory, split)
-        verify_split(directory, index, checksums=checksums)
-        if index.tokens == 0:
-            holder = f"{split}.json" if has_index(directory) else f"{split}.bin"
-            raise DataError(str(directory / holder), f"the {split} split holds no tokens")
-    tokenizer = tokenizer_path(directory)
-    if tokenizer is not None:
-        try:
-            from tokenizers import Tokenizer
-
-            Tokenizer.from_file(str(tokenizer))
-        except Exception as err:  # tokenizers raises its own exception types for unreadable files
-            detail = first_line(err)
-            raise DataError(str(tokenizer), f"an unreadable tokenizer ({detail})") from None
 
 
 def largest_token_id(path: str) -> int:

@@ -12,6 +12,8 @@ from urllib.parse import urlparse
 
 import yaml
 
+from distrain.artifacts.outputs import check_writable
+from distrain.errors import ArtifactError
 from distrain.logger.reporter import strict_json
 from distrain.logger.trackers import TrackedRun, TrackerSetupError, numeric_metrics, require_package
 
@@ -80,12 +82,12 @@ class MlflowTracker:
                     uri,
                     "sqlite:///<path> (MLflow 3 opens file stores only with MLFLOW_ALLOW_FILE_STORE=true)",
                 )
-            if Path(urlparse(uri).path if scheme else uri).is_file():
-                raise TrackerSetupError("tracking_uri", uri, f"{ALLOWED_URIS} (this path is a file)")
+            _check_store(uri, Path(urlparse(uri).path if scheme else uri), directory=True)
         elif scheme == "sqlite":
             database = sqlite_path(uri)
-            if database is None or not _creatable(database.parent):
-                raise TrackerSetupError("tracking_uri", uri, f"{ALLOWED_URIS} (no writable directory for the file)")
+            if database is None:
+                raise TrackerSetupError("tracking_uri", uri, f"{ALLOWED_URIS} (no path after sqlite:///)")
+            _check_store(uri, database, directory=False)
         elif scheme in REMOTE_SCHEMES:
             parsed = urlparse(uri)
             _check_reachable(uri, parsed.hostname, parsed.port or (443 if scheme == "https" else 80))
@@ -199,12 +201,13 @@ def absolute_tracking_uri(uri: str | None) -> str | None:
     return uri
 
 
-def _creatable(directory: Path) -> bool:
-    """The directory exists, or its nearest existing ancestor is a directory where it can be made."""
-    for candidate in (directory, *directory.parents):
-        if candidate.exists():
-            return candidate.is_dir()
-    return False
+def _check_store(uri: str, path: Path, *, directory: bool) -> None:
+    """A local store MLflow can open: a database file (or a file store's directory) it can create or write; the
+    path of the other kind would make MLflow retry its connection for minutes."""
+    try:
+        check_writable(path, directory=directory)
+    except ArtifactError as err:
+        raise TrackerSetupError("tracking_uri", uri, f"a writable local store ({err})") from None
 
 
 def _check_reachable(uri: str, host: str | None, port: int) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from distrain.artifacts.outputs import check_writable
+from distrain.errors import ArtifactError
 from distrain.logger.trackers import TrackedRun, TrackerSetupError, numeric_metrics, require_package
 
 log = logging.getLogger(__name__)
@@ -25,8 +27,11 @@ class TensorBoardTracker:
 
     def check(self) -> None:
         require_package("tensorboard", "tensorboard")
-        if self.dir and Path(self.dir).is_file():
-            raise TrackerSetupError("dir", self.dir, "a directory for event files (this path is a file)")
+        if self.dir:
+            try:
+                check_writable(self.dir, directory=True)
+            except ArtifactError as err:
+                raise TrackerSetupError("dir", self.dir, f"a writable directory for event files ({err})") from None
 
     def start(self, run: TrackedRun) -> None:
         from torch.utils.tensorboard import SummaryWriter

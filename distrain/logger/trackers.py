@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from distrain.artifacts.outputs import check_writable
+from distrain.errors import ArtifactError
+
 log = logging.getLogger(__name__)
 
 
@@ -92,8 +95,12 @@ class JsonlTracker:
         self.path = Path(path)
 
     def check(self) -> None:
-        if not str(self.path) or self.path.is_dir():
-            raise TrackerSetupError("path", str(self.path), "a file path (not a directory)")
+        if not str(self.path) or str(self.path) == ".":
+            raise TrackerSetupError("path", str(self.path), "a file path")
+        try:
+            check_writable(self.path, directory=False)
+        except ArtifactError as err:
+            raise TrackerSetupError("path", str(self.path), f"a writable file path ({err})") from None
 
     def start(self, run: TrackedRun) -> None:
         self.run_name = run.name

@@ -12,33 +12,23 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from distrain.artifacts.safetensors_set import inspect_safetensors
 from distrain.models.spec import spec_of
 
 
-def safetensors_files(directory: str | Path) -> list[Path]:
-    """The ``*.safetensors`` files of a Hugging Face model directory, sorted (shards in order)."""
-    return sorted(Path(directory).glob("*.safetensors"))
-
-
 def hf_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the directory's safetensors files, read from their headers only."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in safetensors_files(directory):
-        with safe_open(str(file), framework="pt") as weights:
-            shapes |= {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118
-    return shapes
+    """Name -> shape of every tensor in the directory's safetensors files (through its index when it has one), read
+    from their headers only; ``ArtifactError`` naming the file when the set is incomplete or damaged."""
+    return inspect_safetensors(directory).shapes
 
 
 def weights_problem(model: nn.Module, directory: str | Path) -> str | None:
-    """Why the Hugging Face weights in ``directory`` cannot initialise ``model`` (any device, meta included): no
-    weights, names the family's mapping does not know, tensors missing or of another shape. None: they fit."""
+    """Why the Hugging Face weights in ``directory`` cannot initialise ``model`` (any device, meta included): names
+    the family's mapping does not know, tensors missing or of another shape. None: they fit. A damaged or
+    incomplete set of files is an ``ArtifactError`` (``distrain.artifacts.safetensors_set``)."""
     spec = spec_of(model)
     if spec.from_hf is None:
         return f"{spec.label} has no Hugging Face counterpart (ModelSpec.from_hf)"
-    if not safetensors_files(directory):
-        return "no *.safetensors file in the directory"
     shapes = hf_shapes(directory)
     try:
         ours = spec.from_hf({name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
@@ -64,6 +54,6 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(directory):
+    for file in inspect_safetensors(directory).files:
         state |= load_file(str(file), device="cpu")
     model.load_state_dict(spec_of(model).from_hf(state), strict=True)

@@ -6,9 +6,10 @@ import pytest
 import torch
 from helpers import write_token_dataset
 
+from distrain.artifacts.token_dataset import inspect_token_dataset as check_dataset
 from distrain.data.sampler import GlobalBatchSampler, TrainBatches, token_windows
 from distrain.data.token_format import DataError, read_index
-from distrain.data.tokens import check_dataset, data_vocab_size, largest_token_id, token_corpus
+from distrain.data.tokens import data_vocab_size, largest_token_id, token_corpus
 
 SHARDS = [np.arange(0, 50) % 200, np.arange(50, 71) % 200, np.arange(100, 161) % 200]  # 50, 21, 61 tokens
 

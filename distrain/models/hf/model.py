@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from distrain.errors import ArtifactError
 from distrain.models.hf.spec import HF_CONFIG_SPEC, attention_kinds, has_llama_layout, hf_spec
 
 
@@ -53,9 +54,14 @@ class HFCausalLM(nn.Module):
         if random_init or on_meta:
             hf = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
         else:
-            hf = AutoModelForCausalLM.from_pretrained(
-                name_or_path, local_files_only=True, attn_implementation=attn_implementation, dtype=torch.float32
+            hf, loading = AutoModelForCausalLM.from_pretrained(
+                name_or_path,
+                local_files_only=True,
+                attn_implementation=attn_implementation,
+                dtype=torch.float32,
+                output_loading_info=True,
             )
+            _refuse_partial_load(name_or_path, loading)
         hf.float()
         self.max_seq_len, self.vocab_size, self.hidden_size = max_seq_len, config.vocab_size, config.hidden_size
         self.config, self.architecture = hf.config, type(hf).__name__
@@ -102,6 +108,17 @@ class HFCausalLM(nn.Module):
         if self.lm_head is not None:
             h = self.lm_head(h)
         return h
+
+
+def _refuse_partial_load(name_or_path: str, loading: dict[str, list]) -> None:
+    """transformers reports weights it could not place and carries on with random ones; a run must not (the
+    directory's inspector refuses this before any rank starts; this is the same rule where the weights are read)."""
+    for kind in ("missing_keys", "mismatched_keys", "unexpected_keys"):
+        names = [str(name) for name in loading.get(kind) or ()]
+        if names:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            what = kind.replace("_keys", "").replace("_", " ")
+            raise ArtifactError(name_or_path, f"its weights do not fit its config.json: {what} {names[0]}{more}")
 
 
 def causal_masks(config: object, hidden: torch.Tensor, kinds: set[str]) -> dict[str, torch.Tensor | None]:

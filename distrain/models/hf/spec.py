@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from distrain.config_checks import ConfigError, check
-from distrain.errors import first_line
+from distrain.errors import ArtifactError
 from distrain.models.spec import ConfigProblem, ModelSpec, default_parameter_roles, matmul_flops_per_token
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
@@ -45,72 +45,24 @@ _TO_HF = {
 
 
 def check_config(cfg: DictConfig) -> None:
-    """``model.name_or_path`` is a local directory holding a causal LM's config.json (and its safetensors weights
-    unless ``random_init``)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """``model.name_or_path`` is a local Hugging Face causal LM directory that passes its inspector (config.json,
+    and unless ``random_init`` weights that are exactly its architecture's), and ``data.seq_len`` fits an absolute
+    position table."""
+    from distrain.artifacts.hf_directory import inspect_hf_directory
 
     kernels = ("sdpa", "eager")
     check(cfg, "model.attn_implementation", lambda v: v in kernels, f"one of {', '.join(kernels)}")
-    path = Path(str(cfg.model.name_or_path))
-    if not (path / "config.json").is_file():
-        missing = "no such directory" if not path.is_dir() else "no config.json in it"
-        raise ConfigError("model.name_or_path", str(path), f"a local Hugging Face model directory ({missing})")
+    path = str(cfg.model.name_or_path)
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        detail = (str(err).strip().splitlines() or [""])[0]
-        raise ConfigError("model.name_or_path", str(path), f"a readable config.json ({detail})") from None
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ConfigError("model.name_or_path", str(path), f"a causal LM; model_type {config.model_type!r} is not one")
-    if config.model_type in bidirectional_types() and not getattr(config, "is_decoder", False):
+        found = inspect_hf_directory(path, weights=not cfg.model.random_init)
+    except ArtifactError as err:
+        where = "" if err.where == str(Path(path).expanduser()) else f"{err.where}: "
         raise ConfigError(
-            "model.name_or_path",
-            str(path),
-            f"a causal LM; {config.model_type!r} attends both ways (an encoder) unless config.json sets is_decoder",
-        )
-    if not cfg.model.random_init:
-        check_weights(path, config)
-
-
-def bidirectional_types() -> set[str]:
-    """Model types transformers lists as causal LMs whose attention is bidirectional unless ``is_decoder`` is set
-    (encoders with a language-model head); BART-like ``ForCausalLM`` classes run the causal decoder alone."""
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
-    return (set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) & set(MODEL_FOR_MASKED_LM_MAPPING_NAMES)) - {"bart", "mbart", "mvp"}
-
-
-def check_weights(path: Path, config: object) -> None:
-    """The directory's safetensors are readable and every tensor in them that the model built from config.json has
-    is of that shape (read from the headers; the model is built on the meta device): a mismatch would otherwise be a
-    traceback from transformers on every rank."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from distrain.models.hf_weights import hf_shapes
-
-    if not list(path.glob("*.safetensors")):
-        raise ConfigError(
-            "model.name_or_path", str(path), "weights as *.safetensors (or model.random_init=true: config.json only)"
-        )
-    try:
-        shapes = hf_shapes(path)
-    except Exception as err:  # safetensors raises its own error types for a damaged header
-        detail = first_line(err)
-        raise ConfigError("model.name_or_path", str(path), f"readable *.safetensors weights ({detail})") from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    for name, tensor in model.state_dict().items():
-        if name in shapes and tuple(tensor.shape) != shapes[name]:
-            raise ConfigError(
-                "model.name_or_path",
-                str(path),
-                f"weights that fit its config.json: {name} is {list(shapes[name])} there, {list(tensor.shape)} by it",
-            )
+            "model.name_or_path", path, f"a usable Hugging Face model directory ({where}{err.problem})"
+        ) from None
+    table = found.position_table
+    if table is not None:
+        check(cfg, "data.seq_len", lambda v: v <= table, f"at most {table}, the positions {path}/config.json holds")
 
 
 def attention_kinds(config: object) -> tuple[str, ...]:

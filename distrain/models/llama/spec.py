@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from distrain.config_checks import ConfigError, at_least, check, positive
+from distrain.errors import ArtifactError
 from distrain.models.llama.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ConfigProblem, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
@@ -89,7 +90,10 @@ def check_init_from(cfg: DictConfig, same_architecture: Callable[[DictConfig, Pa
         raise ConfigError("model.init_from", str(path), "a local Hugging Face model directory (no such directory)")
     with torch.device("meta"):
         model = instantiate(cfg.model, init_from=None)
-    problem = weights_problem(model, path)
+    try:
+        problem = weights_problem(model, path)
+    except ArtifactError as err:  # the files themselves: a missing shard, a truncated file
+        raise ConfigError("model.init_from", str(path), f"readable Hugging Face weights ({err})") from None
     if problem:
         raise ConfigError("model.init_from", str(path), f"Hugging Face weights that fit this config: {problem}")
     (same_architecture or check_same_architecture)(cfg, path)
@@ -99,13 +103,12 @@ def check_same_architecture(cfg: DictConfig, path: Path) -> None:
     """The settings the weights were trained with (heads, norm epsilon, RoPE, tying), read from the directory's
     config.json, equal the configured ones: weights of the right shapes under another head split, epsilon or RoPE
     base would train silently wrong."""
-    from transformers import AutoConfig
-
+    from distrain.artifacts.hf_directory import read_config
     from distrain.models.llama.hf import from_hf_config
 
     try:
-        theirs = from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
-    except (OSError, ValueError) as err:
+        theirs = from_hf_config(read_config(path))
+    except (ArtifactError, KeyError, AttributeError, TypeError) as err:
         raise ConfigError("model.init_from", str(path), f"a Llama config.json there ({err})") from None
     for key in ("n_heads", "n_kv_heads", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings"):
         ours = cfg.model.get(key)

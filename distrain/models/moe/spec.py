@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from distrain.config_checks import ConfigError, at_least, check
+from distrain.errors import ArtifactError
 from distrain.models.llama.spec import check_config as check_llama_config
 from distrain.models.llama.spec import check_init_from as check_llama_init_from
 from distrain.models.llama.spec import enable_context_parallel
@@ -109,13 +110,12 @@ def check_same_architecture(cfg: DictConfig, path: Path) -> None:
     """The settings that change the forward but not the weights' shapes (heads, experts per token, norm epsilon,
     RoPE base), read from the directory's config.json, equal the configured ones: weights under another top_k or
     head split would train silently wrong."""
-    from transformers import AutoConfig
-
+    from distrain.artifacts.hf_directory import read_config
     from distrain.models.moe.hf import from_hf_config
 
     try:
-        theirs = from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
-    except (OSError, ValueError) as err:
+        theirs = from_hf_config(read_config(path))
+    except (ArtifactError, KeyError, AttributeError, TypeError) as err:
         raise ConfigError("model.init_from", str(path), f"a Mixtral config.json there ({err})") from None
     model = cfg.model
     ours = {"n_kv_heads": model.n_kv_heads or model.n_heads}

@@ -1,0 +1,156 @@
+"""What the inspections of users' files cost at start-up, measured side by side in one run: the token-dataset
+inspector on a 1.4 GB dataset (with and without SHA-256 checksums), the Hugging Face directory inspector on a
+1.24B-parameter Llama (Llama 3.2 1B's shapes) stored as two safetensors shards with an index, and each against the
+start-up of the job that pays it (train.py to the end of its first step).
+
+    python benchmarks/inspection.py --out-dir benchmarks/results     # writes 1.4 GB + 5 GB (sparse) under --work-dir
+
+The safetensors files are written header first and then extended to their full size without writing data (sparse
+files of zeros): the inspector reads headers only, and loading them reads zeros.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO, publish
+from data_loader import write_random_dataset
+
+sys.path.insert(0, str(REPO))
+
+LLAMA_1B = {
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": True,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+}
+TRAIN = ["parallelism=single", "logger=none", "checkpoint=none", "trainer.max_steps=1", "trainer.eval_every=0"]
+
+
+def write_sparse_llama(directory: Path, shards: int = 2) -> Path:
+    """A 1.24B-parameter LlamaForCausalLM directory: config.json, ``shards`` safetensors files of zeros (sparse)
+    and their index, as ``save_pretrained`` lays them out."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if (directory / "model.safetensors.index.json").is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**LLAMA_1B)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tensors = [(name, t) for name, t in model.state_dict().items() if name != "lm_head.weight"]  # tied: stored once
+    per_shard = math.ceil(len(tensors) / shards)
+    weight_map = {}
+    for number in range(shards):
+        name = f"model-{number + 1:05d}-of-{shards:05d}.safetensors"
+        part = tensors[number * per_shard : (number + 1) * per_shard]
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for tensor_name, tensor in part:
+            size = tensor.numel() * 4
+            header[tensor_name] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+            offset += size
+            weight_map[tensor_name] = name
+        encoded = json.dumps(header).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        with open(directory / name, "wb") as file:
+            file.write(len(encoded).to_bytes(8, "little") + encoded)
+            file.truncate(8 + len(encoded) + offset)
+    index = {"metadata": {"total_size": sum(t.numel() * 4 for _, t in tensors)}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    config.save_pretrained(directory)
+    return directory
+
+
+def timed(function, repeats: int = 5) -> float:
+    """Median seconds of ``function()`` over ``repeats`` calls (after one untimed warm-up call)."""
+    function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def start_up(overrides: list[str], run_dir: Path) -> float:
+    """Wall seconds of ``train.py`` with ``overrides`` (one step), from launch to exit."""
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "train.py", *TRAIN, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f"train.py failed:\n{done.stderr[-3000:]}")
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--big-tokens", type=int, default=700_000_000, help="1.4 GB of uint16 ids")
+    parser.add_argument("--work-dir", type=Path, default=None, help="where the artifacts go (default: a temp dir)")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    args = parser.parse_args()
+    from distrain.artifacts.hf_directory import inspect_hf_directory
+    from distrain.artifacts.safetensors_set import inspect_safetensors
+    from distrain.artifacts.token_dataset import inspect_token_dataset
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="inspection_"))
+    dataset = write_random_dataset(work / "big", args.big_tokens, shards=6)
+    llama = write_sparse_llama(work / "llama_1b")
+    gigabytes = sum(p.stat().st_size for p in dataset.glob("*.bin")) / 1e9
+    parameters = inspect_safetensors(llama).bytes // 4
+    rows = {
+        "dataset_structure_s": timed(lambda: inspect_token_dataset(dataset, checksums=False)),
+        "dataset_checksums_s": timed(lambda: inspect_token_dataset(dataset, checksums=True), repeats=2),
+        "safetensors_headers_s": timed(lambda: inspect_safetensors(llama)),
+        "hf_directory_s": timed(lambda: inspect_hf_directory(llama)),
+    }
+    data_overrides = ["data=tokens", f"data.path={dataset}", "data.micro_batch_size=2"]
+    rows["startup_dataset_s"] = start_up([*data_overrides, "data.verify_checksums=false"], work / "run_data")
+    rows["startup_dataset_checksums_s"] = start_up(data_overrides, work / "run_data_sums")
+    hf_overrides = ["model=hf", f"model.name_or_path={llama}", "data.seq_len=16", "data.micro_batch_size=1"]
+    hf_overrides.append("optimizer=sgd")  # no optimizer state: 1.24B fp32 weights and gradients fit 24 GiB
+    rows["startup_hf_1b_s"] = start_up(hf_overrides, work / "run_hf")
+    report(rows, gigabytes, parameters, args.out_dir)
+
+
+def report(rows: dict[str, float], gigabytes: float, parameters: int, out_dir: Path | None) -> None:
+    def share(part: float, whole: float) -> str:
+        return f"{part:.3f} s ({100 * part / whole:.1f}% of {whole:.1f} s)"
+
+    title = "Start-up cost of the inspections (one run, side by side; medians of 5 calls, checksums of 2; warm cache)"
+    rows_out = [
+        "| inspection | seconds | share of the job's start-up (train.py, 1 step, to exit) |",
+        "|---|---|---|",
+        f"| token dataset, {gigabytes:.2f} GB, structure only (data.verify_checksums=false) | "
+        f"{rows['dataset_structure_s']:.3f} | {share(rows['dataset_structure_s'], rows['startup_dataset_s'])} |",
+        f"| token dataset, {gigabytes:.2f} GB, with SHA-256 of every shard (the default) | "
+        f"{rows['dataset_checksums_s']:.3f} | "
+        f"{share(rows['dataset_checksums_s'], rows['startup_dataset_checksums_s'])} |",
+        f"| safetensors set, {parameters / 1e9:.2f}B parameters in 2 shards, headers | "
+        f"{rows['safetensors_headers_s']:.3f} | {share(rows['safetensors_headers_s'], rows['startup_hf_1b_s'])} |",
+        f"| Hugging Face directory, same set (config, meta model, names and shapes) | {rows['hf_directory_s']:.3f} | "
+        f"{share(rows['hf_directory_s'], rows['startup_hf_1b_s'])} |",
+    ]
+    publish(title, rows_out, out_dir, "inspection")
+
+
+if __name__ == "__main__":
+    main()

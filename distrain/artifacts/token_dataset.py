@@ -1,0 +1,56 @@
+"""Inspector of a token dataset: ``python -m distrain.data.prepare``'s output, or nanoGPT's ``train.bin``/``val.bin``.
+
+What it establishes (``distrain.data.token_format`` describes the format): the path is a directory holding both
+splits' indexes (or both bins); each index is a ``distrain.tokens`` v1 JSON object with fields of the right types;
+every shard exists and holds exactly the ids its index says, in whole ids of the index's dtype (and, with
+``checksums``, has its SHA-256); neither split is empty; a tokenizer the index names is readable. Ids above the
+vocabulary are caught as windows are read (``distrain.data.tokens``): an index can understate them, and scanning
+every shard here would cost minutes on a large dataset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from distrain.artifacts.tokenizer import inspect_tokenizer
+from distrain.data.token_format import SPLITS, DataError, SplitIndex, has_index, read_index, verify_split
+from distrain.data.tokens import dataset_directory, tokenizer_path
+from distrain.errors import ArtifactError
+
+
+@dataclass(frozen=True)
+class TokenDataset:
+    """A usable dataset: its directory, each split's index, and the tokenizer file beside it (None: none named)."""
+
+    directory: Path
+    splits: dict[str, SplitIndex]
+    tokenizer: Path | None
+
+    @property
+    def vocab_size(self) -> int:
+        return max(index.vocab_size for index in self.splits.values())
+
+    @property
+    def max_token_id(self) -> int:
+        return max(index.max_token_id for index in self.splits.values())
+
+
+def inspect_token_dataset(path: str | Path, *, checksums: bool = True) -> TokenDataset:
+    """The dataset at ``path``; ``DataError`` (an ``ArtifactError``) naming the file and the problem otherwise."""
+    directory = dataset_directory(path)
+    splits = {}
+    for split in SPLITS:
+        index = read_index(directory, split)
+        verify_split(directory, index, checksums=checksums)
+        if index.tokens == 0:
+            holder = f"{split}.json" if has_index(directory) else f"{split}.bin"
+            raise DataError(str(directory / holder), f"the {split} split holds no tokens")
+        splits[split] = index
+    tokenizer = tokenizer_path(directory)
+    if tokenizer is not None:
+        try:
+            inspect_tokenizer(tokenizer)
+        except ArtifactError as err:
+            raise DataError(err.where, err.problem) from None
+    return TokenDataset(directory, splits, tokenizer)

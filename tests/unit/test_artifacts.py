@@ -1,0 +1,108 @@
+"""The inspectors of ``distrain.artifacts`` on real transformers directories built here: what they accept (every
+layout ``save_pretrained`` writes: one file, shards with an index, tied heads, experts that transformers fuses on
+load) and what they refuse, with the file named. End to end through every command: test_artifact_inspection.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from distrain.artifacts.hf_directory import inspect_hf_directory
+from distrain.artifacts.outputs import check_writable
+from distrain.artifacts.safetensors_set import inspect_safetensors
+from distrain.errors import ArtifactError
+
+SMALL = {
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
+def save(path, architecture, config, **save_options):
+    torch.manual_seed(0)
+    getattr(transformers, architecture)(config).save_pretrained(path, **save_options)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("architecture", "config"),
+    [
+        ("LlamaForCausalLM", transformers.LlamaConfig(**SMALL)),
+        ("LlamaForCausalLM", transformers.LlamaConfig(**SMALL, tie_word_embeddings=True)),
+        ("Qwen2ForCausalLM", transformers.Qwen2Config(**SMALL)),
+        ("MixtralForCausalLM", transformers.MixtralConfig(**SMALL, num_local_experts=2)),  # per-expert names on disk
+        ("GPT2LMHeadModel", transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16)),
+    ],
+    ids=["llama", "llama-tied", "qwen2", "mixtral", "gpt2"],
+)
+def test_what_save_pretrained_writes_is_accepted(tmp_path, architecture, config):
+    found = inspect_hf_directory(save(tmp_path / "model", architecture, config))
+    model = getattr(transformers, architecture).from_pretrained(tmp_path / "model", local_files_only=True)
+    stored = {name for name in model.state_dict() if name in found.weights.shapes}
+    assert stored and found.config.model_type == config.model_type
+    assert found.position_table == (16 if architecture == "GPT2LMHeadModel" else None)  # rotary: no table
+
+
+def test_sharded_weights_are_read_through_their_index(tmp_path):
+    path = save(tmp_path / "model", "LlamaForCausalLM", transformers.LlamaConfig(**SMALL), max_shard_size="10KB")
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    assert len(inspect_safetensors(path).files) == len(shards)
+    shards[1].unlink()
+    with pytest.raises(ArtifactError, match=f"{shards[1].name}: missing: model.safetensors.index.json names it"):
+        inspect_hf_directory(path)
+
+
+def test_config_of_one_model_with_weights_of_another_is_refused(tmp_path):
+    """transformers itself loads this, starting every weight it cannot place at random, and exits 0."""
+    path = save(tmp_path / "model", "Qwen2ForCausalLM", transformers.Qwen2Config(**SMALL))
+    transformers.LlamaConfig(**SMALL).save_pretrained(path)
+    with pytest.raises(ArtifactError, match="has no place for .*weights of another model"):
+        inspect_hf_directory(path)
+    assert inspect_hf_directory(path, weights=False).config.model_type == "llama"  # model.random_init=true
+
+
+def test_missing_tensor_would_start_random_and_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save(tmp_path / "model", "LlamaForCausalLM", transformers.LlamaConfig(**SMALL))
+    state = load_file(path / "model.safetensors")
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, path / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ArtifactError, match="no weights for model.layers.1.mlp.down_proj.weight .*start random"):
+        inspect_hf_directory(path)
+
+
+def test_damaged_safetensors_and_config_are_named(tmp_path):
+    path = save(tmp_path / "model", "LlamaForCausalLM", transformers.LlamaConfig(**SMALL))
+    good = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(good[:-64])
+    with pytest.raises(ArtifactError, match=r"model.safetensors: truncated: its header describes \d+ bytes"):
+        inspect_safetensors(path)
+    (path / "model.safetensors").write_bytes(b"\x00" * 4)
+    with pytest.raises(ArtifactError, match="model.safetensors: not a safetensors file"):
+        inspect_safetensors(path)
+    (path / "model.safetensors").write_bytes(good)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "hidden_size": "16"}))
+    with pytest.raises(ArtifactError, match="config.json: .*hidden_size"):
+        inspect_hf_directory(path)
+
+
+def test_output_paths_below_a_file_or_of_the_wrong_kind_are_refused(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ArtifactError, match="file: is a file, so .* cannot be created below it"):
+        check_writable(tmp_path / "file" / "out" / "model.pt", directory=False)
+    with pytest.raises(ArtifactError, match="is a file; a directory is written here"):
+        check_writable(tmp_path / "file", directory=True)
+    with pytest.raises(ArtifactError, match="is a directory; a file is written here"):
+        check_writable(tmp_path, directory=False)
+    assert check_writable(tmp_path / "new" / "deeper", directory=True) == tmp_path / "new" / "deeper"
+    assert not (tmp_path / "new").exists() and (tmp_path / "file").read_text() == "mine"
