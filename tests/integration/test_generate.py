@@ -66,7 +66,11 @@ def test_sampling_is_seeded_and_starts_with_the_prompt(run_dir):
 
 def test_a_bad_checkpoint_is_one_line(tmp_path):
     missing = generate(tmp_path / "nothing", "--prompt", "x")
-    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no checkpoint there" in missing.stderr
+    assert (
+        missing.returncode == 2
+        and missing.stderr.count("\n") == 1
+        and "no such checkpoint or run directory" in missing.stderr
+    )
     bad_device = generate(tmp_path, "--device", "banana")
     assert bad_device.returncode == 2 and bad_device.stderr.count("\n") == 1 and "not a device" in bad_device.stderr
     damaged = tmp_path / "checkpoints" / "step_00000001"

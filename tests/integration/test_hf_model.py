@@ -73,12 +73,15 @@ def test_trains_with_activation_checkpointing_and_compile_and_exports_what_trans
     "path,words",
     [
         ("/no/such/model", "(no such directory)"),
-        ("EMPTY", "(no config.json in it)"),
-        ("NOT_CAUSAL", "a causal LM; model_type 'resnet' is not one"),
-        ("NO_WEIGHTS", "weights as *.safetensors"),
-        ("ENCODER", "'bert' attends both ways (an encoder) unless config.json sets is_decoder"),
-        ("RESIZED", "weights that fit its config.json: model.layers.0.mlp.gate_proj.weight is [160, 64] there"),
-        ("TRUNCATED", "readable *.safetensors weights"),
+        ("EMPTY", "no config.json in it"),
+        ("NOT_CAUSAL", "model_type 'resnet' is not a causal language model"),
+        ("NO_WEIGHTS", "no *.safetensors file in it"),
+        ("ENCODER", "config.json: model_type 'bert' attends both ways (an encoder) unless is_decoder is set"),
+        (
+            "RESIZED",
+            "model.layers.0.mlp.down_proj.weight is [64, 160] there, config.json makes it [64, 128]",
+        ),
+        ("TRUNCATED", "model.safetensors: not a safetensors file"),
     ],
 )
 def test_bad_directories_are_refused_in_one_line(hf_dir, tmp_path, path, words):

@@ -108,7 +108,7 @@ def check_same_architecture(cfg: DictConfig, path: Path) -> None:
 
     try:
         theirs = from_hf_config(read_config(path))
-    except (ArtifactError, KeyError, AttributeError, TypeError) as err:
+    except (ValueError, KeyError, AttributeError, TypeError) as err:  # ArtifactError included
         raise ConfigError("model.init_from", str(path), f"a Llama config.json there ({err})") from None
     for key in ("n_heads", "n_kv_heads", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings"):
         ours = cfg.model.get(key)

@@ -15,7 +15,6 @@ from omegaconf import DictConfig
 from torch import nn
 
 from distrain.config_checks import ConfigError, at_least, check
-from distrain.errors import ArtifactError
 from distrain.models.llama.spec import check_config as check_llama_config
 from distrain.models.llama.spec import check_init_from as check_llama_init_from
 from distrain.models.llama.spec import enable_context_parallel
@@ -115,7 +114,7 @@ def check_same_architecture(cfg: DictConfig, path: Path) -> None:
 
     try:
         theirs = from_hf_config(read_config(path))
-    except (ArtifactError, KeyError, AttributeError, TypeError) as err:
+    except (ValueError, KeyError, AttributeError, TypeError) as err:  # ArtifactError included
         raise ConfigError("model.init_from", str(path), f"a Mixtral config.json there ({err})") from None
     model = cfg.model
     ours = {"n_kv_heads": model.n_kv_heads or model.n_heads}
