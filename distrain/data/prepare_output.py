@@ -109,24 +109,19 @@ def is_output(out: Path, path: Path) -> bool:
 
 
 def foreign_outputs(out: Path) -> list[Path]:
-    """Files in ``out`` that a run would replace but no prepare wrote: a ``train.json``/``val.json`` that is not a
-    token index, a ``prepare.json`` that is not prepare's record, a ``tokenizer.json`` with no sign of an earlier
-    run beside it (its record, its shards, an interrupted run's temporary directory)."""
+    """Files in ``out`` that a run would replace or remove but no prepare wrote: a ``train.json``/``val.json`` that
+    is not a token index, a ``prepare.json`` that is not prepare's record, and, with no sign of an earlier run
+    (its record, an index, an interrupted run's temporary directory), a ``tokenizer.json`` or shard-named file."""
     if not out.is_dir():
         return []
-    foreign = [
-        out / f"{split}.json"
-        for split in SPLITS
-        if (out / f"{split}.json").is_file() and not _is_index(out / f"{split}.json")
-    ]
-    earlier_run = (
-        (out / TEMPORARY).is_dir() or _has_record(out) or any(SHARD_NAME.fullmatch(p.name) for p in out.iterdir())
-    )
+    indexes = [out / f"{split}.json" for split in SPLITS if (out / f"{split}.json").is_file()]
+    foreign = [index for index in indexes if not _is_index(index)]
     if (out / RECORD).is_file() and not _has_record(out):
         foreign.append(out / RECORD)
-    if (out / TOKENIZER).is_file() and not earlier_run:
-        foreign.append(out / TOKENIZER)
-    return sorted(foreign)
+    earlier_run = (out / TEMPORARY).is_dir() or _has_record(out) or len(foreign) < len(indexes)
+    if not earlier_run:
+        foreign += [path for path in out.iterdir() if path.name == TOKENIZER or SHARD_NAME.fullmatch(path.name)]
+    return sorted(path for path in foreign if path.is_file())
 
 
 def _is_index(path: Path) -> bool:
@@ -155,12 +150,13 @@ def fresh_temporary(out: Path) -> Path:
 def publish(out: Path, temporary: Path, indexes: dict[str, SplitIndex], record: dict) -> None:
     """Move a finished dataset from ``temporary`` into ``out``.
 
-    The order is what makes it safe to interrupt anywhere: the old indexes (and ``prepare.json``) go first, so no
-    index names a shard while it is being replaced; then shards and tokenizer move in (renames on one file system);
+    The order is what makes it safe to interrupt anywhere: the old indexes go first, so no index names a shard
+    while it is being replaced (``prepare.json`` stays until the new one replaces it: it marks the directory's
+    shards as prepare's, so the next run replaces them without ``--overwrite``); then shards and tokenizer move in (renames on one file system);
     then an earlier run's shards that the new indexes do not name are removed; ``prepare.json`` and the two
     indexes are written last. Until then a reader finds no dataset, never a wrong one.
     """
-    for name in (*(f"{split}.json" for split in SPLITS), RECORD):
+    for name in (f"{split}.json" for split in SPLITS):  # the record stays: it says these files are prepare's
         (out / name).unlink(missing_ok=True)
     named = {shard.file for index in indexes.values() for shard in index.shards}
     for name in sorted(named) + ([TOKENIZER] if (temporary / TOKENIZER).is_file() else []):
