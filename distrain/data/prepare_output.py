@@ -152,9 +152,9 @@ def publish(out: Path, temporary: Path, indexes: dict[str, SplitIndex], record: 
 
     The order is what makes it safe to interrupt anywhere: the old indexes go first, so no index names a shard
     while it is being replaced (``prepare.json`` stays until the new one replaces it: it marks the directory's
-    shards as prepare's, so the next run replaces them without ``--overwrite``); then shards and tokenizer move in (renames on one file system);
-    then an earlier run's shards that the new indexes do not name are removed; ``prepare.json`` and the two
-    indexes are written last. Until then a reader finds no dataset, never a wrong one.
+    shards as prepare's, so the next run replaces them without ``--overwrite``); then shards and tokenizer move in
+    (renames on one file system); then an earlier run's shards that the new indexes do not name are removed;
+    ``prepare.json`` and the two indexes are written last. Until then a reader finds no dataset, never a wrong one.
     """
     for name in (f"{split}.json" for split in SPLITS):  # the record stays: it says these files are prepare's
         (out / name).unlink(missing_ok=True)

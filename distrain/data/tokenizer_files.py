@@ -24,7 +24,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from distrain.artifacts.tokenizer import inspect_tokenizer
 from distrain.data.token_format import DataError, sha256_of
+from distrain.errors import ArtifactError
 
 DEFAULT_EOS = "<|endoftext|>"
 BYTE_ALPHABET = 256  # a byte-level BPE starts from one token per byte
@@ -40,23 +42,19 @@ class TokenizerSource:
 
 
 def resolve_tokenizer_path(path: str | Path) -> TokenizerSource:
-    """``path`` (a ``tokenizer.json`` or a local Hugging Face model directory holding one) as a source; the EOS
-    token of a directory's ``tokenizer_config.json`` when it names one. DataError naming what is missing."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise DataError(str(path), "no such tokenizer file or model directory (--tokenizer)")
-    eos = None
-    if path.is_dir():
-        directory, path = path, path / "tokenizer.json"
-        if not path.is_file():
-            raise DataError(str(directory), "a directory without tokenizer.json (--tokenizer wants a fast tokenizer)")
-        eos = _config_eos(directory / "tokenizer_config.json")
-    path = path.resolve()
+    """``path`` (a ``tokenizer.json`` or a local Hugging Face model directory holding one), inspected
+    (``distrain.artifacts.tokenizer``), as a source; the EOS token of a directory's ``tokenizer_config.json`` when
+    it names one. DataError naming the file and ``--tokenizer`` otherwise."""
     try:
-        digest = sha256_of(path)
+        file = inspect_tokenizer(path).file.resolve()
+        digest = sha256_of(file)
+    except ArtifactError as err:
+        raise DataError(err.where, f"{err.problem} (--tokenizer)") from None
     except OSError as err:
-        raise DataError(str(path), f"unreadable ({err.strerror or err})") from None
-    return TokenizerSource(path, digest, eos)
+        raise DataError(str(path), f"unreadable ({err.strerror or err}) (--tokenizer)") from None
+    directory = Path(path).expanduser()
+    eos = _config_eos(directory / "tokenizer_config.json") if directory.is_dir() else None
+    return TokenizerSource(file, digest, eos)
 
 
 def _config_eos(config: Path) -> str | None:
@@ -73,11 +71,12 @@ def _config_eos(config: Path) -> str | None:
 
 
 def load_tokenizer(source: TokenizerSource) -> Tokenizer:
-    """The tokenizer in ``source.file``; DataError naming the file when ``tokenizers`` cannot read it."""
+    """The tokenizer in ``source.file`` (inspected when the source was resolved); DataError naming the file when
+    ``tokenizers`` cannot read it (it changed since)."""
     try:
-        return Tokenizer.from_file(str(source.file))
-    except Exception as err:  # tokenizers raises a bare Exception for malformed files
-        raise DataError(str(source.file), f"not a readable tokenizer.json ({type(err).__name__}: {err})") from None
+        return inspect_tokenizer(source.file).tokenizer
+    except ArtifactError as err:
+        raise DataError(err.where, err.problem) from None
 
 
 def check_bpe_vocab_size(vocab_size: int) -> None:
