@@ -29,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -40,6 +42,7 @@ from distrain.errors import ArtifactError
 FORMAT, VERSION = "distrain.tokens", 1
 SPLITS = ("train", "val")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+RACY_NS = 2_000_000_000  # a shard modified this recently is not recorded as verified (see remember_verified)
 
 
 class DataError(ArtifactError):
@@ -189,6 +192,61 @@ def _largest_id(path: Path, chunk: int = 1 << 24) -> int:
     return largest
 
 
+def verify_checksums(directory: Path, index: SplitIndex) -> None:
+    """Each shard's SHA-256 equals its index's, hashed on threads (hashlib releases the GIL: one shard per core);
+    a shard this user's cache records as verified, unchanged since (same size, modification time and inode), is
+    not read again. DataError naming the first shard that differs."""
+    shards = [(directory / shard.file, shard.sha256) for shard in index.shards if shard.sha256]
+    pending = [(path, digest) for path, digest in shards if not verified_before(path, digest)]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(pending), os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(lambda item: sha256_of(item[0]), pending))
+    for (path, expected), digest in zip(pending, digests, strict=True):
+        if digest != expected:
+            raise DataError(str(path), f"its SHA-256 differs from {index.split}.json's: the file changed")
+    remember_verified([path for path, _ in pending], [digest for _, digest in pending])
+
+
+def _verified_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "distrain" / "verified_shards.json"
+
+
+def _stamp(path: Path) -> list[int]:
+    status = path.stat()
+    return [status.st_size, status.st_mtime_ns, status.st_ino]
+
+
+def _read_verified() -> dict:
+    try:
+        cache = json.loads(_verified_cache().read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def verified_before(path: Path, sha256: str) -> bool:
+    """Whether ``path`` was found to have ``sha256`` and has not changed since (its size, mtime and inode)."""
+    entry = _read_verified().get(str(path.resolve()))
+    return isinstance(entry, dict) and entry.get("sha256") == sha256 and entry.get("stamp") == _stamp(path)
+
+
+def remember_verified(paths: list[Path], digests: list[str]) -> None:
+    """Record verified shards in this user's cache (written atomically; a cache that cannot be written is skipped:
+    the next start-up hashes again)."""
+    if not paths:
+        return
+    cache = {name: entry for name, entry in _read_verified().items() if Path(name).exists()}
+    for path, digest in zip(paths, digests, strict=True):
+        # A file modified within the file system's timestamp granularity of now could change again without its
+        # modification time moving ("racy" in git's words): not recorded, hashed again next time.
+        if time.time_ns() - path.stat().st_mtime_ns > RACY_NS:
+            cache[str(path.resolve())] = {"sha256": digest, "stamp": _stamp(path)}
+    try:
+        _verified_cache().parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(_verified_cache(), json.dumps(cache).encode())
+    except OSError:
+        pass
+
+
 def verify_split(directory: Path, index: SplitIndex, *, checksums: bool = True) -> None:
     """Every shard of ``index`` exists, holds a whole number of ids, as many as the index says, and (with
     ``checksums``) has the index's SHA-256; the shards' token counts add up to the index's. DataError naming the
@@ -203,7 +261,7 @@ def verify_split(directory: Path, index: SplitIndex, *, checksums: bool = True) 
             raise DataError(str(path), f"{size} bytes is not a whole number of {index.dtype} token ids")
         if size // itemsize != shard.tokens:
             raise DataError(str(path), f"holds {size // itemsize} tokens, its index says {shard.tokens}")
-        if checksums and shard.sha256 and sha256_of(path) != shard.sha256:
-            raise DataError(str(path), f"its SHA-256 differs from {index.split}.json's: the file changed")
+    if checksums:
+        verify_checksums(directory, index)
     if sum(shard.tokens for shard in index.shards) != index.tokens:
         raise DataError(str(directory / f"{index.split}.json"), "its shards' token counts do not add up to tokens")

@@ -1,6 +1,8 @@
 """Token shards on disk: windows over several shards, the sampler's world-size-independent order over
 them, the prefetching reader's exact position, and one-line refusals of damaged datasets."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -150,3 +152,33 @@ def test_the_longest_sequence_is_limited_by_the_largest_shard(dataset):
     from distrain.data.sampler import longest_window
 
     assert longest_window(token_corpus(str(dataset)).train) == 60  # shards of 50, 21, 61 tokens
+
+
+def test_verified_shards_are_not_hashed_again_until_they_change(dataset, tmp_path, monkeypatch):
+    """The SHA-256 check of every shard (the default) reads a dataset once per version of its shards."""
+    from distrain.data import token_format
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    hashed = []
+    monkeypatch.setattr(token_format, "sha256_of", lambda path: hashed.append(path.name) or _sha256(path))
+    old = 1_000_000_000_000_000_000  # 2001: well before now, so no shard is too fresh to record
+    for shard in dataset.glob("*.bin"):
+        os.utime(shard, ns=(old, old))
+    check_dataset(str(dataset), checksums=True)
+    assert sorted(hashed) == sorted(path.name for path in dataset.glob("*.bin"))
+    hashed.clear()
+    check_dataset(str(dataset), checksums=True)
+    assert hashed == []  # unchanged: not read again
+    changed = dataset / "train-00001.bin"
+    data = bytearray(changed.read_bytes())
+    data[0] ^= 1
+    changed.write_bytes(bytes(data))  # same size; its modification time moves
+    with pytest.raises(DataError, match="train-00001.bin: its SHA-256 differs"):
+        check_dataset(str(dataset), checksums=True)
+    assert hashed == ["train-00001.bin"]
+
+
+def _sha256(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
