@@ -33,7 +33,8 @@ class ShardedTokens:
     def __init__(self, directory: Path, index: SplitIndex, vocab_limit: int | None = None) -> None:
         self.directory, self.index = Path(directory), index
         # Ids at or above this are refused as windows are read: the index's vocabulary, or the model's if smaller.
-        self.vocab_limit = min(index.vocab_size, vocab_limit or index.vocab_size)
+        model_limit = vocab_limit if isinstance(vocab_limit, int) and vocab_limit > 0 else index.vocab_size
+        self.vocab_limit = min(index.vocab_size, model_limit)
         self.itemsize = index.numpy_dtype.itemsize
         self._files: list[int] | None = None
 
