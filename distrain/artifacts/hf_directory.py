@@ -88,23 +88,18 @@ def _joined(err: BaseException) -> str:
 
 
 def _check_field_types(config_file: Path, body: dict, config_class: type) -> None:
-    """Each field whose default in ``config_class`` is a number, a bool or a string holds that type (null allowed):
-    classes transformers does not validate strictly would keep ``"hidden_size": "64"`` and fail inside a rank."""
+    """A field whose default in ``config_class`` is a number or a boolean is not given as a string or an object:
+    classes transformers does not validate strictly keep ``"hidden_size": "64"`` and fail inside a rank. (Lists
+    stay allowed: ``eos_token_id`` is an int or a list of them.)"""
     try:
         defaults = vars(config_class())
     except Exception:  # a config class that needs arguments: transformers' own validation is all there is
         return
-    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
     for key, value in body.items():
         default = defaults.get(key)
-        allowed = kinds.get(type(default))
-        if value is None or allowed is None:
-            continue
-        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            raise ArtifactError(
-                str(config_file),
-                f"{key} is {json.dumps(value)}, not {type(default).__name__} as {config_class.__name__}",
-            )
+        if isinstance(default, bool | int | float) and isinstance(value, str | dict):
+            wanted = f"not {type(default).__name__} as {config_class.__name__} declares it"
+            raise ArtifactError(str(config_file), f"{key} is {json.dumps(value)}, {wanted}")
 
 
 def bidirectional_types() -> set[str]:
@@ -185,13 +180,24 @@ def _renamer(model: nn.Module, expected: dict[str, tuple[int, ...]]) -> Any:
 
 
 def _with_prefix(name: str, prefix: str | None, expected: dict[str, Any]) -> str:
+    """``name`` under the base-model prefix when only that form is the model's (a base model's checkpoint)."""
     if prefix and name not in expected and f"{prefix}.{name}" in expected:
         return f"{prefix}.{name}"
     return name
 
 
 def _patterns(model: nn.Module, attribute: str) -> list[re.Pattern]:
-    return [re.compile(pattern) for pattern in (getattr(model, attribute, None) or ())]
+    """The model's ``_keys_to_ignore_on_load_*`` as regular expressions; for unexpected keys also the two that
+    transformers drops for every model (``_adjust_missing_and_unexpected_keys``): old checkpoints' per-layer
+    ``rotary_emb.inv_freq`` and ``position_ids``, once persistent buffers."""
+    patterns = set(getattr(model, attribute, None) or ())
+    if attribute == "_keys_to_ignore_on_load_unexpected":
+        buffers = [name for name, _ in model.named_buffers()]
+        if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+            patterns.add(r"rotary_emb\.inv_freq")
+        if any(name.endswith("position_ids") for name in buffers):
+            patterns.add(r"(^|\.)position_ids$")
+    return [re.compile(pattern) for pattern in patterns]
 
 
 def _missing(model: nn.Module, absent: set[str], produced: set[str]) -> list[str]:
@@ -208,6 +214,7 @@ def _missing(model: nn.Module, absent: set[str], produced: set[str]) -> list[str
 
 
 def _file_of(found: SafetensorsSet, name: str) -> Path:
+    """The file of the set that holds tensor ``name`` (for the refusal's line)."""
     if len(found.files) == 1:
         return found.files[0]
     from distrain.artifacts.safetensors_set import read_header

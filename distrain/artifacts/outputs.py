@@ -23,12 +23,12 @@ def check_writable(path: str | Path, *, directory: bool) -> Path:
             raise ArtifactError(str(path), "is a file; a directory is written here")
         if not directory and path.is_dir():
             raise ArtifactError(str(path), "is a directory; a file is written here")
-        writable = path if directory else path.parent
+        writable = path  # an existing file is written (or appended to) in place
     else:
         writable = nearest_existing(path)
         if not writable.is_dir():
             raise ArtifactError(str(writable), f"is a file, so {path} cannot be created below it")
-    if not os.access(writable, os.W_OK | os.X_OK):
+    if not os.access(writable, os.W_OK | (os.X_OK if writable.is_dir() else 0)):
         raise ArtifactError(str(writable), "is not writable by this user")
     return path
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from distrain.errors import ArtifactError
 
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "C64": 8,
@@ -51,6 +52,8 @@ def inspect_safetensors(path: str | Path) -> SafetensorsSet:
         files, named = [path], None
     elif index.is_file():
         files, named = _indexed_files(index)
+    elif (path / SINGLE).is_file():  # what transformers loads without an index (a stray file beside it is not)
+        files, named = [path / SINGLE], None
     else:
         files, named = sorted(path.glob("*.safetensors")), None
     if not files:
@@ -84,6 +87,7 @@ def _indexed_files(index: Path) -> tuple[list[Path], dict[str, str]]:
 
 
 def _check_index_names(index: Path, named: dict[str, str], shapes: dict[str, tuple[int, ...]]) -> None:
+    """The index names exactly the tensors its shards hold."""
     unlisted = sorted(shapes.keys() - named.keys())
     absent = sorted(named.keys() - shapes.keys())
     if absent:
@@ -112,7 +116,8 @@ def read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, stop) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            dtype, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
+            begin, stop = (int(offset) for offset in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ArtifactError(str(file), f"a damaged header: tensor {name} has no dtype, shape and offsets") from None
         if dtype in DTYPE_BYTES and stop - begin != math.prod(shape) * DTYPE_BYTES[dtype]:

@@ -13,16 +13,21 @@ started from (``model.name_or_path`` or ``model.init_from``), when it has them.
 
 Runs in one process without a process group. It holds one copy of the model in memory: only the model's entries
 are read (not the optimizer state), one tensor at a time, into tensors allocated once at their full shape;
-DeepSpeed's shards are memory-mapped and gathered tensor by tensor. The output is written to ``<out>.tmp`` and
+DeepSpeed's shards are memory-mapped and gathered tensor by tensor. The output is written to a temporary sibling and
 renamed when complete.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import shutil
 import sys
+import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,10 +40,12 @@ from distrain.artifacts.checkpoint import inspect_checkpoint
 from distrain.artifacts.outputs import check_writable
 from distrain.checkpoint.checkpointer import checkpoint_problem
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
+from distrain.errors import ArtifactError
 from distrain.models.spec import spec_of
 from distrain.parallelism.zero import CHECKPOINT_TAG, import_deepspeed
 from distrain.validate_parallelism import root_cause
 
+EXPORT_MARK = "distrain_export.json"  # in an hf export: what --overwrite may replace (names its checkpoint)
 MODEL_KEY = "model"  # the strategies save {"model": ..., "optimizer": ..., ...}; DCP flattens it to "model.<name>"
 # What save_pretrained writes for a tokenizer (fast or slow, with its chat template), copied as they are.
 TOKENIZER_FILES = (
@@ -91,33 +98,54 @@ def consolidated_model_state(path: Path, *, inspected: bool = False) -> dict[str
 
 
 def output_problem(out: Path, hf: bool, overwrite: bool) -> str | None:
-    """Why ``out`` must not be written (None: it may). Nothing is replaced without ``overwrite``, and even then only
-    what an earlier export wrote: a file for the torch format, a directory of config.json and safetensors for hf."""
-    if not out.exists():
-        return None
-    if hf and not out.is_dir():
-        return f"{out} is a file; --format hf writes a directory"
-    if not hf and out.is_dir():
-        return f"{out} is a directory; the torch format writes one file"
-    if hf and not any(out.iterdir()):
+    """Why ``out`` must not be written (None: it may): a path that cannot be written as the format's kind (a file
+    for torch, a directory for hf; ``distrain.artifacts.outputs``), or one that exists and is not replaced: without
+    ``overwrite`` nothing is, and even with it only what an earlier export wrote (a torch file, or a directory
+    holding the mark an hf export leaves)."""
+    try:
+        check_writable(out, directory=hf)
+    except ArtifactError as err:
+        return str(err)
+    if not out.exists() or (hf and not any(out.iterdir())):
         return None
     if not overwrite:
         return f"{out} exists; pass --overwrite to replace it"
-    names = {child.name for child in out.iterdir()} if hf else set()
-    earlier_export = {"config.json", "model.safetensors"} <= names and not any(c.is_dir() for c in out.iterdir())
-    if hf and not earlier_export:
-        return f"{out} is not an earlier --format hf export (config.json, model.safetensors): not replaced"
+    if hf and not (out / EXPORT_MARK).is_file():
+        return f"{out} is not an earlier --format hf export (it has no {EXPORT_MARK}): not replaced"
     return None
 
 
 def export_checkpoint(path: Path, out: Path) -> dict[str, int]:
-    """Write the consolidated model state of ``path`` to ``out`` atomically; returns tensor and byte counts."""
+    """Write the consolidated model state of ``path`` to ``out`` atomically (a temporary sibling of a name of its
+    own, renamed when complete); returns tensor and byte counts."""
     state = consolidated_model_state(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".tmp")
-    torch.save(state, partial)
-    partial.replace(out)
+    with _partial(out, directory=False) as partial:
+        torch.save(state, partial)
+        partial.replace(out)
     return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
+@contextlib.contextmanager
+def _partial(out: Path, *, directory: bool) -> Iterator[Path]:
+    """A new temporary sibling of ``out`` (a name no one else has: nothing existing is replaced or removed),
+    removed again if the export fails before renaming it to ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out.name}.export-"
+    if directory:
+        partial = Path(tempfile.mkdtemp(dir=out.parent, prefix=prefix))
+    else:
+        descriptor, name = tempfile.mkstemp(dir=out.parent, prefix=prefix)
+        os.close(descriptor)
+        partial = Path(name)
+    try:
+        yield partial
+    except BaseException:
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        else:
+            partial.unlink(missing_ok=True)
+        raise
 
 
 def export_hf(path: Path, out: Path) -> dict[str, int]:
@@ -151,19 +179,17 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
     state = spec.to_hf(consolidated_model_state(found.path, inspected=True))
     if getattr(hf_config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # transformers ties it to the embedding; safetensors stores no shared tensors
-    partial = out.with_name(out.name + ".tmp")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_file(
-        {name: tensor.contiguous() for name, tensor in state.items()}, partial / "model.safetensors", {"format": "pt"}
-    )
-    hf_config.save_pretrained(partial)
-    for tokenizer_file in tokenizer:
-        shutil.copy2(tokenizer_file, partial / tokenizer_file.name)
-    if data_tokenizer:
-        write_data_tokenizer(data_tokenizer, run_cfg.data.path, partial)
-    shutil.rmtree(out, ignore_errors=True)
-    partial.replace(out)
+    with _partial(out, directory=True) as partial:
+        (partial / EXPORT_MARK).write_text(json.dumps({"checkpoint": str(found.path.resolve())}) + "\n")
+        tensors = {name: tensor.contiguous() for name, tensor in state.items()}
+        save_file(tensors, partial / "model.safetensors", {"format": "pt"})
+        hf_config.save_pretrained(partial)
+        for tokenizer_file in tokenizer:
+            shutil.copy2(tokenizer_file, partial / tokenizer_file.name)
+        if data_tokenizer:
+            write_data_tokenizer(data_tokenizer, run_cfg.data.path, partial)
+        shutil.rmtree(out, ignore_errors=True)  # empty, or an earlier export (output_problem)
+        partial.replace(out)
     return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
 
@@ -217,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace OUT when an earlier export wrote it")
     args = parser.parse_args(argv)
     try:  # where it writes first (nothing read yet), then what it reads
-        check_writable(args.out, directory=args.format == "hf")
         problem = output_problem(args.out, args.format == "hf", args.overwrite)
         if problem:
             raise ValueError(problem)

@@ -151,13 +151,16 @@ def publish(out: Path, temporary: Path, indexes: dict[str, SplitIndex], record: 
     """Move a finished dataset from ``temporary`` into ``out``.
 
     The order is what makes it safe to interrupt anywhere: the old indexes go first, so no index names a shard
-    while it is being replaced (``prepare.json`` stays until the new one replaces it: it marks the directory's
-    shards as prepare's, so the next run replaces them without ``--overwrite``); then shards and tokenizer move in
-    (renames on one file system); then an earlier run's shards that the new indexes do not name are removed;
-    ``prepare.json`` and the two indexes are written last. Until then a reader finds no dataset, never a wrong one.
+    while it is being replaced, and the new ``prepare.json`` is written (it marks the directory's shards as
+    prepare's, so the next run replaces them without ``--overwrite``); then shards and tokenizer move in (renames on
+    one file system); then an earlier run's shards that the new indexes do not name are removed; the two indexes
+    are written last. Until then a reader finds no dataset, never a wrong one.
     """
-    for name in (f"{split}.json" for split in SPLITS):  # the record stays: it says these files are prepare's
+    for name in (f"{split}.json" for split in SPLITS):
         (out / name).unlink(missing_ok=True)
+    # The new record before anything moves in: from here on the directory's shards are marked as prepare's (an
+    # interrupted run's next attempt replaces them without --overwrite; the record alone is no dataset).
+    write_atomically(out / RECORD, (json.dumps(record, indent=1) + "\n").encode())
     named = {shard.file for index in indexes.values() for shard in index.shards}
     for name in sorted(named) + ([TOKENIZER] if (temporary / TOKENIZER).is_file() else []):
         move(temporary / name, out / name)
@@ -165,7 +168,6 @@ def publish(out: Path, temporary: Path, indexes: dict[str, SplitIndex], record: 
         if SHARD_NAME.fullmatch(stale.name) and stale.name not in named:
             stale.unlink()
     _sync_directory(out)
-    write_atomically(out / RECORD, (json.dumps(record, indent=1) + "\n").encode())
     for split in SPLITS:
         write_index(out, indexes[split])
     _sync_directory(out)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -42,6 +43,7 @@ from distrain.errors import ArtifactError
 FORMAT, VERSION = "distrain.tokens", 1
 SPLITS = ("train", "val")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+MAX_VERIFIED = 10_000  # shards remembered as verified (the oldest are forgotten first)
 RACY_NS = 2_000_000_000  # a shard modified this recently is not recorded as verified (see remember_verified)
 
 
@@ -194,55 +196,74 @@ def _largest_id(path: Path, chunk: int = 1 << 24) -> int:
 
 def verify_checksums(directory: Path, index: SplitIndex) -> None:
     """Each shard's SHA-256 equals its index's, hashed on threads (hashlib releases the GIL: one shard per core);
-    a shard this user's cache records as verified, unchanged since (same size, modification time and inode), is
-    not read again. DataError naming the first shard that differs."""
+    a shard this user's cache records as verified, unchanged since (same size, modification and change times,
+    inode and device), is not read again. DataError naming the first shard that differs."""
+    cache = _read_verified()
     shards = [(directory / shard.file, shard.sha256) for shard in index.shards if shard.sha256]
-    pending = [(path, digest) for path, digest in shards if not verified_before(path, digest)]
+    pending = [(path, digest) for path, digest in shards if not _verified(cache, path, digest)]
     with ThreadPoolExecutor(max_workers=max(1, min(len(pending), os.cpu_count() or 1))) as pool:
-        digests = list(pool.map(lambda item: sha256_of(item[0]), pending))
-    for (path, expected), digest in zip(pending, digests, strict=True):
+        results = list(pool.map(lambda item: _hash_between_stamps(item[0]), pending))
+    for (path, expected), (digest, _) in zip(pending, results, strict=True):
         if digest != expected:
             raise DataError(str(path), f"its SHA-256 differs from {index.split}.json's: the file changed")
-    remember_verified([path for path, _ in pending], [digest for _, digest in pending])
+    _remember_verified(
+        cache, [(path, digest, stamp) for (path, _), (digest, stamp) in zip(pending, results, strict=True)]
+    )
 
 
-def _verified_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "distrain" / "verified_shards.json"
+def _verified_cache() -> Path | None:
+    try:
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no home directory: nothing is remembered
+        return None
+    return home / "distrain" / "verified_shards.json"
 
 
 def _stamp(path: Path) -> list[int]:
     status = path.stat()
-    return [status.st_size, status.st_mtime_ns, status.st_ino]
+    return [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino, status.st_dev]
+
+
+def _hash_between_stamps(path: Path) -> tuple[str, list[int] | None]:
+    """The file's SHA-256, and its stamp when the file did not change while it was read (else None: not recorded)."""
+    before = _stamp(path)
+    digest = sha256_of(path)
+    return digest, before if _stamp(path) == before else None
 
 
 def _read_verified() -> dict:
+    cache_file = _verified_cache()
     try:
-        cache = json.loads(_verified_cache().read_text())
+        cache = json.loads(cache_file.read_text()) if cache_file else {}
     except (OSError, ValueError):
         return {}
     return cache if isinstance(cache, dict) else {}
 
 
-def verified_before(path: Path, sha256: str) -> bool:
-    """Whether ``path`` was found to have ``sha256`` and has not changed since (its size, mtime and inode)."""
-    entry = _read_verified().get(str(path.resolve()))
+def _verified(cache: dict, path: Path, sha256: str) -> bool:
+    """Whether ``path`` was found to have ``sha256`` and has not changed since."""
+    entry = cache.get(str(path.resolve()))
     return isinstance(entry, dict) and entry.get("sha256") == sha256 and entry.get("stamp") == _stamp(path)
 
 
-def remember_verified(paths: list[Path], digests: list[str]) -> None:
-    """Record verified shards in this user's cache (written atomically; a cache that cannot be written is skipped:
-    the next start-up hashes again)."""
-    if not paths:
+def _remember_verified(cache: dict, verified: list[tuple[Path, str, list[int] | None]]) -> None:
+    """Record verified shards in this user's cache, written through a temporary file of its own and renamed (two
+    jobs writing at once lose an entry, never corrupt the file); a cache that cannot be written is skipped."""
+    cache_file = _verified_cache()
+    if not verified or cache_file is None:
         return
-    cache = {name: entry for name, entry in _read_verified().items() if Path(name).exists()}
-    for path, digest in zip(paths, digests, strict=True):
+    for path, digest, stamp in verified:
         # A file modified within the file system's timestamp granularity of now could change again without its
         # modification time moving ("racy" in git's words): not recorded, hashed again next time.
-        if time.time_ns() - path.stat().st_mtime_ns > RACY_NS:
-            cache[str(path.resolve())] = {"sha256": digest, "stamp": _stamp(path)}
+        if stamp is not None and time.time_ns() - stamp[1] > RACY_NS:
+            cache[str(path.resolve())] = {"sha256": digest, "stamp": stamp}
+    cache = dict(list(cache.items())[-MAX_VERIFIED:])  # the most recent entries (dicts keep insertion order)
     try:
-        _verified_cache().parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(_verified_cache(), json.dumps(cache).encode())
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, partial = tempfile.mkstemp(dir=cache_file.parent, prefix=".verified_shards.")
+        with os.fdopen(descriptor, "w") as file:
+            json.dump(cache, file)
+        os.replace(partial, cache_file)
     except OSError:
         pass
 

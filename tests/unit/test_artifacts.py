@@ -106,3 +106,18 @@ def test_output_paths_below_a_file_or_of_the_wrong_kind_are_refused(tmp_path):
         check_writable(tmp_path, directory=False)
     assert check_writable(tmp_path / "new" / "deeper", directory=True) == tmp_path / "new" / "deeper"
     assert not (tmp_path / "new").exists() and (tmp_path / "file").read_text() == "mine"
+
+
+def test_what_transformers_loads_from_older_checkpoints_is_accepted(tmp_path):
+    """Llama 3's list of end-of-sequence ids, and a per-layer rotary inv_freq buffer that old checkpoints stored
+    (transformers drops it on load): both load in transformers, so both pass."""
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.LlamaConfig(**SMALL, eos_token_id=[1, 2])
+    path = save(tmp_path / "model", "LlamaForCausalLM", config)
+    state = load_file(path / "model.safetensors")
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(state, path / "model.safetensors", {"format": "pt"})
+    assert inspect_hf_directory(path).config.eos_token_id == [1, 2]
+    _, loading = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(loading.values())  # transformers agrees: nothing missing, unexpected or mismatched

@@ -3,7 +3,7 @@ earlier export's file or directory is replaced (never a run directory), in one l
 
 import pytest
 
-from distrain.checkpoint.export import main, output_problem
+from distrain.checkpoint.export import EXPORT_MARK, main, output_problem
 
 
 def test_new_outputs_and_empty_directories_are_written(tmp_path):
@@ -17,6 +17,9 @@ def test_an_earlier_export_is_replaced_only_with_overwrite(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert "pass --overwrite" in output_problem(tmp_path, hf=True, overwrite=False)
+    # The same files, but the user's own Hugging Face directory: export left no mark there.
+    assert f"has no {EXPORT_MARK}): not replaced" in output_problem(tmp_path, hf=True, overwrite=True)
+    (tmp_path / EXPORT_MARK).write_text("{}")
     assert output_problem(tmp_path, hf=True, overwrite=True) is None
     (tmp_path / "model.pt").write_bytes(b"")
     assert "pass --overwrite" in output_problem(tmp_path / "model.pt", hf=False, overwrite=False)

@@ -551,3 +551,28 @@ def test_workers_ignore_sigint_from_birth_and_are_stopped_by_the_main_process():
         processes = list(pool._processes.values()) if pool.submit(int).result() == 0 else []
         raise KeyboardInterrupt
     assert processes and all(process.exitcode is not None for process in processes)
+
+
+def test_a_first_run_interrupted_while_publishing_is_replaced_without_overwrite(tmp_path, monkeypatch):
+    """The record is written before any shard moves in, so what an interrupted first run left in a directory of
+    the user's is known to be prepare's; the user's own file there is untouched."""
+    corpus = write_corpus(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "notes.txt").write_text("mine")
+    moves = []
+
+    def failing_move(source, target):
+        moves.append(source.name)
+        if len(moves) == 2:
+            raise OSError(28, "No space left on device", str(target))
+        shutil.move(source, target)
+
+    monkeypatch.setattr(prepare_output, "move", failing_move)
+    with pytest.raises(OSError):
+        prepare(corpus, data, workers=1, quiet=True, **SETTINGS)
+    assert (data / "train-00000.bin").is_file() and not (data / "train.json").exists()
+    monkeypatch.undo()
+    assert not prepare(corpus, data, workers=1, quiet=True, **SETTINGS)["up_to_date"]
+    assert_no_index_names_a_bad_shard(data)
+    assert (data / "notes.txt").read_text() == "mine"
