@@ -20,7 +20,7 @@ from distrain.checkpoint.checkpointer import Checkpointer, rng_state, set_rng_st
 from distrain.config import TrainerConfig
 from distrain.data.sampler import Batch, TrainBatches
 from distrain.dist import is_collective_timeout, is_peer_failure
-from distrain.errors import CheckpointSpaceError
+from distrain.errors import ArtifactError, CheckpointSpaceError
 from distrain.faults import maybe_inject_delay, maybe_inject_fault
 from distrain.logger.reporter import RunReporter
 from distrain.monitor.profiler import StepProfiler
@@ -94,6 +94,13 @@ def _emergency_checkpoint(
         log.error("emergency checkpoint after a failure on rank %s: %s", verdict.failed_rank, path)
 
 
+class UnreadStepError(RuntimeError):
+    """A known data failure (``ArtifactError``) reading a step's batches, before the step's first collective. Its
+    peers are then inside that step's collectives, waiting for this rank, and cannot reach the step boundary where
+    ranks agree on an emergency checkpoint: this rank ends the job at once (the peers see it leave). With prefetch,
+    a later step's read is found at the boundary before it (``TrainBatches.failed_read``), where ranks do agree."""
+
+
 @dataclass
 class _Loop:
     """What one run's steps work with: its components, and the totals the summary reports."""
@@ -159,7 +166,10 @@ def _step(loop: _Loop) -> None:
     """One optimizer step, then what falls due after it: logging, evaluation, a checkpoint."""
     state, settings, window, strategy = loop.state, loop.settings, loop.window, loop.strategy
     marks = {"step_start": window.clock.mark()}
-    micro_batches = loop.data.next_step()
+    try:
+        micro_batches = loop.data.next_step()
+    except ArtifactError as err:  # read before any of the step's collectives: see _settle
+        raise UnreadStepError(str(err)) from err
     marks["data_ready"] = window.clock.mark()
     maybe_inject_delay(dist.get_rank())
     result = strategy.train_step(micro_batches)
@@ -194,6 +204,8 @@ def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool
     """The end-of-step agreement: raise this rank's failure or a peer's (after an emergency checkpoint when every
     rank is consistent), finalize an asynchronous save, and return True when a stop signal ends the run here."""
     state, strategy, checkpointer = loop.state, loop.strategy, loop.checkpointer
+    if failure is None and (failure := loop.data.failed_read()) is not None:
+        log.error("the read of step %d failed on this rank: %s", state.step + 1, failure)
     # No emergency checkpoint from a half-applied update, nor onto a disk that just proved full.
     consistent = failure is None or not (strategy.updating or isinstance(failure, CheckpointSpaceError))
     if failure is not None and state.step == boundary.step:  # the step never completed: undo its data and RNG
@@ -202,6 +214,9 @@ def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool
     if failure is not None and is_peer_failure(failure):
         log.error("no emergency checkpoint: another rank is gone")
         raise failure
+    if isinstance(failure, UnreadStepError):  # its peers wait in the step's collectives: none can reach a boundary
+        log.error("no emergency checkpoint: this rank could not read its batches of step %d", state.step + 1)
+        raise failure.__cause__
     try:
         verdict = loop.agreement.agree(
             step=state.step,

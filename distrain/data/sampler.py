@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from distrain.errors import ArtifactError
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -187,6 +189,16 @@ class TrainBatches:
         self._returned_state = state
         self._pending = self._request_next() if self._reader is not None else None
         return batches
+
+    def failed_read(self) -> BaseException | None:
+        """The known data failure (``ArtifactError``: an id above the vocabulary, a shard shorter than its index)
+        of the next step's prefetched read, waiting for that read; None when it succeeded or nothing is prefetched.
+        Asked at the end of a step, so every rank learns of it at the step boundary instead of the failing rank
+        alone at the start of the next step, while its peers wait in a collective."""
+        if self._pending is None or not isinstance(self._pending[0], Future):
+            return None
+        error = self._pending[0].exception()
+        return error if isinstance(error, ArtifactError) else None
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self._returned_state) if self._returned_state is not None else self.sampler.state_dict()

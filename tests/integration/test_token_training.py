@@ -128,3 +128,45 @@ def test_text_jsonl_and_parquet_prepared_then_trained_with_the_loss_falling(tmp_
     theirs = AutoTokenizer.from_pretrained(out)
     assert theirs(text).input_ids == Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json")).encode(text).ids
     assert theirs.eos_token == "<|endoftext|>"
+
+
+def understated_dataset(directory, bad_positions):
+    """Two train shards of ids below 200 with 250 at ``bad_positions`` of the second, indexes saying vocabulary 200."""
+    rng = np.random.default_rng(0)
+    train = [rng.integers(0, 200, 20_000), rng.integers(0, 200, 20_000)]
+    train[1][bad_positions] = 250
+    data = write_token_dataset(directory, {"train": train, "val": [rng.integers(0, 200, 3_000)]}, 200)
+    for split in ("train", "val"):
+        index = json.loads((data / f"{split}.json").read_text())
+        (data / f"{split}.json").write_text(json.dumps({**index, "vocab_size": 200, "max_token_id": 199}))
+    return data
+
+
+@pytest.mark.parametrize(
+    ("bad_positions", "found_at"),
+    [(slice(1_000, None, 2_000), "the first step"), (slice(15_000, 15_001), "step 33")],
+    ids=["first-step", "mid-run"],
+)
+def test_an_id_above_the_vocabulary_stops_every_rank_at_a_step_boundary(tmp_path, bad_positions, found_at):
+    """An index that understates its ids. Mid-run, the rank whose prefetched read of the next step fails says so
+    at the boundary before that step, every rank agrees there, the steps trained are saved (an emergency
+    checkpoint) and the job ends with one line naming the shard; in the first step (read when the step starts,
+    nothing trained yet) that rank ends the job at once. Before, it raised at the step's start while its peer
+    waited in a collective: 30 s more, no checkpoint. The seeded sampler first draws a bad window at ``found_at``."""
+    data = understated_dataset(tmp_path / "data", bad_positions)
+    args = [
+        *COMMON,
+        f"data.path={data}",
+        "data.micro_batch_size=8",
+        "trainer.max_steps=60",
+        "checkpoint.every_n_steps=0",
+    ]
+    done = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"distrain: {data / 'train-00001.bin'}: holds token id 250, not below 200 (the vocabulary of the model and "
+        "of train.json, whose max_token_id 199 is wrong): prepare the dataset again"
+    )
+    assert "Traceback" not in done.stderr and "peers did not reach the step boundary" not in done.stderr
+    saved = sorted(path.name for path in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == ([] if found_at == "the first step" else ["step_00000032"])  # nothing trained is lost
