@@ -336,11 +336,8 @@ def assert_no_index_names_a_bad_shard(directory: Path) -> None:
         verify_split(directory, index)  # a readable index names only complete shards with their checksums
 
 
-def test_interrupted_publish_leaves_no_index_and_the_next_run_succeeds(prepared, tmp_path, monkeypatch):
-    out, _ = prepared
-    corpus = write_corpus(tmp_path)  # other paths than the fixture's: a re-run replaces the old dataset
-    data = tmp_path / "data"
-    shutil.copytree(out, data)
+def publish_failing_at_second_move(monkeypatch):
+    """Make prepare's publish fail (a full disk) on its second file move; returns the names it moved or tried."""
     moves = []
 
     def failing_move(source, target):
@@ -350,6 +347,15 @@ def test_interrupted_publish_leaves_no_index_and_the_next_run_succeeds(prepared,
         shutil.move(source, target)
 
     monkeypatch.setattr(prepare_output, "move", failing_move)
+    return moves
+
+
+def test_interrupted_publish_leaves_no_index_and_the_next_run_succeeds(prepared, tmp_path, monkeypatch):
+    out, _ = prepared
+    corpus = write_corpus(tmp_path)  # other paths than the fixture's: a re-run replaces the old dataset
+    data = tmp_path / "data"
+    shutil.copytree(out, data)
+    moves = publish_failing_at_second_move(monkeypatch)
     with pytest.raises(OSError):
         prepare(corpus, data, workers=1, quiet=True, **SETTINGS)
     assert moves == ["train-00000.bin", "val-00000.bin"]
@@ -560,15 +566,7 @@ def test_a_first_run_interrupted_while_publishing_is_replaced_without_overwrite(
     data = tmp_path / "data"
     data.mkdir()
     (data / "notes.txt").write_text("mine")
-    moves = []
-
-    def failing_move(source, target):
-        moves.append(source.name)
-        if len(moves) == 2:
-            raise OSError(28, "No space left on device", str(target))
-        shutil.move(source, target)
-
-    monkeypatch.setattr(prepare_output, "move", failing_move)
+    publish_failing_at_second_move(monkeypatch)
     with pytest.raises(OSError):
         prepare(corpus, data, workers=1, quiet=True, **SETTINGS)
     assert (data / "train-00000.bin").is_file() and not (data / "train.json").exists()
