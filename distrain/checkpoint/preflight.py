@@ -128,8 +128,10 @@ def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
     saved = OmegaConf.load(saved_file)
     where = f"as in the checkpoint {checkpoint}"
     for key, value in OmegaConf.to_container(cfg.model, resolve=True).items():
-        # Regularisation may change on resume (fine-tuning); what shapes or names the parameters may not.
-        if key != "dropout" and key in saved.model and saved.model[key] != value:
+        # Regularisation may change on resume (fine-tuning), and where the first weights came from (init_from:
+        # the checkpoint holds the weights now, so a moved or dropped directory is fine); what shapes or names the
+        # parameters may not.
+        if key not in ("dropout", "init_from") and key in saved.model and saved.model[key] != value:
             saved_value = as_typed(saved.model[key])
             raise ConfigError(f"model.{key}", value, f"{saved_value} {where} (it resumes the model it holds)")
     if saved.optimizer._target_ != cfg.optimizer._target_:

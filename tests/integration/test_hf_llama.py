@@ -4,6 +4,7 @@ hf`` of each one's checkpoint format that ``AutoModelForCausalLM.from_pretrained
 the source's tokenizer beside it), tensors identical after ours -> HF -> ours, and one-line refusals of bad
 directories."""
 
+import shutil
 import subprocess
 import sys
 
@@ -175,3 +176,17 @@ def test_init_from_another_architecture_is_one_line(tmp_path):
     done = run_train([*OVERRIDES, f"model.init_from={mistral}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "model.init_from" in done.stderr and "this one is 'mistral'" in done.stderr
+
+
+def test_a_run_started_from_hf_weights_resumes_without_them(hf_llama, tmp_path):
+    """The checkpoint holds the weights: a resume needs neither the directory the run started from nor its path
+    (moved or deleted since); the architecture is still compared."""
+    source = tmp_path / "source"
+    shutil.copytree(hf_llama[0], source)
+    args = [*OVERRIDES, "parallelism=single", "checkpoint.every_n_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    first = run_train([*args, f"model.init_from={source}", "trainer.max_steps=2"], cwd=REPO)
+    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.rmtree(source)
+    resumed = run_train([*args, "model.init_from=null", "trainer.max_steps=3", "checkpoint.resume=auto"], cwd=REPO)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in (tmp_path / "run" / "train.log").read_text()
