@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +60,10 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+
+
+# Every name an hf export writes: a directory holding another name is not replaced.
+EXPORT_FILES = {EXPORT_MARK, "model.safetensors", "config.json", "generation_config.json", *TOKENIZER_FILES}
 
 
 def _dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -112,7 +117,19 @@ def output_problem(out: Path, hf: bool, overwrite: bool) -> str | None:
         return f"{out} exists; pass --overwrite to replace it"
     if hf and not (out / EXPORT_MARK).is_file():
         return f"{out} is not an earlier --format hf export (it has no {EXPORT_MARK}): not replaced"
+    if hf and (added := sorted(set(child.name for child in out.iterdir()) - EXPORT_FILES)):
+        return f"{out / added[0]} was not written by export: not replaced (move it out of {out} first)"
+    if not hf and not _torch_file(out):
+        return f"{out} is not a file torch.save wrote (an earlier export): not replaced"
     return None
+
+
+def _torch_file(path: Path) -> bool:
+    """Whether ``path`` is a ``torch.save`` archive (a zip holding ``<name>/data.pkl``)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/data.pkl") for name in archive.namelist())
 
 
 def export_checkpoint(path: Path, out: Path) -> dict[str, int]:

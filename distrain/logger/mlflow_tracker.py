@@ -182,6 +182,9 @@ class MlflowTracker:
             self.client.set_terminated(self.run_id, status="FAILED")
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
 def sqlite_path(uri: str) -> Path | None:
     """The database file of a ``sqlite:///<path>`` URI (relative after three slashes, absolute after four)."""
     _, separator, path = uri.partition(":///")
@@ -206,6 +209,10 @@ def _check_store(uri: str, path: Path, *, directory: bool) -> None:
     path of the other kind would make MLflow retry its connection for minutes."""
     try:
         check_writable(path, directory=directory)
+        if not directory and path.is_file() and path.stat().st_size:
+            with open(path, "rb") as file:
+                if file.read(16) != SQLITE_HEADER:
+                    raise ArtifactError(str(path), "not an SQLite database (MLflow's store is one)")
     except ArtifactError as err:
         raise TrackerSetupError("tracking_uri", uri, f"a writable local store ({err})") from None
 

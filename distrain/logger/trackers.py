@@ -99,6 +99,10 @@ class JsonlTracker:
             raise TrackerSetupError("path", str(self.path), "a file path")
         try:
             check_writable(self.path, directory=False)
+            if self.path.is_file() and not _json_lines(self.path):
+                raise ArtifactError(
+                    str(self.path), "holds lines that are not JSON records: not a runs file to append to"
+                )
         except ArtifactError as err:
             raise TrackerSetupError("path", str(self.path), f"a writable file path ({err})") from None
 
@@ -119,6 +123,16 @@ class JsonlTracker:
     def _write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as file:
             file.write(json.dumps({"run": self.run_name, **record}) + "\n")
+
+
+def _json_lines(path: Path) -> bool:
+    """Whether the first line of the file at ``path`` is a JSON object (or the file is empty)."""
+    with open(path, "rb") as file:
+        first = file.readline(1 << 20).strip()
+    try:
+        return not first or isinstance(json.loads(first), dict)
+    except ValueError:
+        return False
 
 
 WANDB_ID_FILE = "wandb_run_id"

@@ -121,3 +121,23 @@ def test_what_transformers_loads_from_older_checkpoints_is_accepted(tmp_path):
     assert inspect_hf_directory(path).config.eos_token_id == [1, 2]
     _, loading = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not any(loading.values())  # transformers agrees: nothing missing, unexpected or mismatched
+
+
+def test_tracker_stores_of_the_wrong_kind_are_refused_before_anything_starts(tmp_path):
+    """A text file as MLflow's SQLite database (MLflow would fail only once the ranks run), and a file of the
+    user's own text as the JSON-lines runs file (records would be appended to it)."""
+    from distrain.logger.mlflow_tracker import MlflowTracker
+    from distrain.logger.trackers import JsonlTracker, TrackerSetupError
+
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    store = MlflowTracker(
+        tracking_uri=f"sqlite:///{tmp_path / 'notes.txt'}", experiment_name="x", run_name=None, tags={}
+    )
+    with pytest.raises(TrackerSetupError, match="notes.txt: not an SQLite database"):
+        store.check()
+    with pytest.raises(TrackerSetupError, match="notes.txt: holds lines that are not JSON records"):
+        JsonlTracker(path=str(tmp_path / "notes.txt")).check()
+    (tmp_path / "runs.jsonl").write_text('{"run": "a", "event": "start"}\n')
+    JsonlTracker(path=str(tmp_path / "runs.jsonl")).check()  # an earlier run's file: appended to
+    MlflowTracker(tracking_uri=f"sqlite:///{tmp_path / 'new.db'}", experiment_name="x", run_name=None, tags={}).check()
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"

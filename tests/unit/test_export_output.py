@@ -2,6 +2,7 @@
 earlier export's file or directory is replaced (never a run directory), in one line before anything is read."""
 
 import pytest
+import torch
 
 from distrain.checkpoint.export import EXPORT_MARK, main, output_problem
 
@@ -21,8 +22,12 @@ def test_an_earlier_export_is_replaced_only_with_overwrite(tmp_path):
     assert f"has no {EXPORT_MARK}): not replaced" in output_problem(tmp_path, hf=True, overwrite=True)
     (tmp_path / EXPORT_MARK).write_text("{}")
     assert output_problem(tmp_path, hf=True, overwrite=True) is None
-    (tmp_path / "model.pt").write_bytes(b"")
+    (tmp_path / "README.md").write_text("my notes")  # added to an earlier export by hand: kept
+    assert "README.md was not written by export: not replaced" in output_problem(tmp_path, hf=True, overwrite=True)
+    (tmp_path / "model.pt").write_text("my own file")
     assert "pass --overwrite" in output_problem(tmp_path / "model.pt", hf=False, overwrite=False)
+    assert "is not a file torch.save wrote" in output_problem(tmp_path / "model.pt", hf=False, overwrite=True)
+    torch.save({"weight": torch.zeros(2)}, tmp_path / "model.pt")
     assert output_problem(tmp_path / "model.pt", hf=False, overwrite=True) is None
 
 
