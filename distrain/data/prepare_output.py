@@ -119,9 +119,29 @@ def foreign_outputs(out: Path) -> list[Path]:
     if (out / RECORD).is_file() and not _has_record(out):
         foreign.append(out / RECORD)
     earlier_run = (out / TEMPORARY).is_dir() or _has_record(out) or len(foreign) < len(indexes)
-    if not earlier_run:
-        foreign += [path for path in out.iterdir() if path.name == TOKENIZER or SHARD_NAME.fullmatch(path.name)]
+    owned = owned_shards(out)
+    for path in out.iterdir():
+        if SHARD_NAME.fullmatch(path.name) and path.name not in owned:
+            foreign.append(path)  # a shard-named file no earlier run's index or record names
+        elif path.name == TOKENIZER and not earlier_run:
+            foreign.append(path)
     return sorted(path for path in foreign if path.is_file())
+
+
+def owned_shards(out: Path) -> set[str]:
+    """The shard files an earlier prepare wrote in ``out``: those its indexes name, and those its record lists (an
+    interrupted publish has removed the indexes but written the record first)."""
+    owned: set[str] = set()
+    for split in SPLITS:
+        if _is_index(out / f"{split}.json"):
+            try:
+                owned |= {shard.file for shard in read_index(out, split).shards}
+            except DataError:
+                pass  # a damaged index of ours owns nothing: its shards stay where they are
+    if _has_record(out):
+        shards = json.loads((out / RECORD).read_text()).get("shards", [])
+        owned |= {name for name in shards if isinstance(name, str) and SHARD_NAME.fullmatch(name)}
+    return owned
 
 
 def _is_index(path: Path) -> bool:
@@ -153,25 +173,31 @@ def publish(out: Path, temporary: Path, indexes: dict[str, SplitIndex], record: 
     The order is what makes it safe to interrupt anywhere: the old indexes go first, so no index names a shard
     while it is being replaced, and the new ``prepare.json`` is written (it marks the directory's shards as
     prepare's, so the next run replaces them without ``--overwrite``); then shards and tokenizer move in (renames on
-    one file system); then an earlier run's shards that the new indexes do not name are removed; the two indexes
-    are written last. Until then a reader finds no dataset, never a wrong one.
+    one file system); then an earlier run's shards that the new indexes do not name are removed (only those its
+    indexes or record named); the two indexes are written last. Until then a reader finds no dataset, never a wrong one.
     """
+    named = {shard.file for index in indexes.values() for shard in index.shards}
+    stale = owned_shards(out) - named  # only an earlier run's shards: a file no run of ours wrote stays
     for name in (f"{split}.json" for split in SPLITS):
         (out / name).unlink(missing_ok=True)
     # The new record before anything moves in: from here on the directory's shards are marked as prepare's (an
     # interrupted run's next attempt replaces them without --overwrite; the record alone is no dataset).
-    write_atomically(out / RECORD, (json.dumps(record, indent=1) + "\n").encode())
-    named = {shard.file for index in indexes.values() for shard in index.shards}
+    _write_record(out, record, named | stale)
     for name in sorted(named) + ([TOKENIZER] if (temporary / TOKENIZER).is_file() else []):
         move(temporary / name, out / name)
-    for stale in out.iterdir():
-        if SHARD_NAME.fullmatch(stale.name) and stale.name not in named:
-            stale.unlink()
+    for name in sorted(stale):
+        (out / name).unlink(missing_ok=True)
+    _write_record(out, record, named)
     _sync_directory(out)
     for split in SPLITS:
         write_index(out, indexes[split])
     _sync_directory(out)
     shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _write_record(out: Path, record: dict, shards: set[str]) -> None:
+    """``prepare.json``: the run's record plus the shard files it owns in ``out`` (only those a later run removes)."""
+    write_atomically(out / RECORD, (json.dumps({**record, "shards": sorted(shards)}, indent=1) + "\n").encode())
 
 
 def move(source: Path, target: Path) -> None:

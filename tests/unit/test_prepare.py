@@ -178,6 +178,29 @@ def test_changed_input_or_settings_re_prepare_and_stale_shards_go(tmp_path, caps
     assert "up to date" in capsys.readouterr().out
 
 
+def test_a_shard_named_file_no_run_wrote_is_never_removed_or_replaced(tmp_path, capsys):
+    """Beside an earlier run's dataset, a ``train-00099.bin`` of the user's (named by no index or record) is refused
+    in one line; with ``--overwrite`` the re-run replaces only what it wrote and leaves that file byte-identical."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for number in range(4):
+        (corpus / f"{number}.txt").write_text(f"document number {number} " * 5)
+    out = tmp_path / "out"
+    common = ["--input", str(corpus), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.25"]
+    assert main([*common, "--shard-tokens", "20", "--workers", "1"]) == 0
+    capsys.readouterr()
+    theirs = out / "train-00099.bin"
+    theirs.write_bytes(b"the user's own bytes")
+    (corpus / "2.txt").write_text("a changed document " * 4)
+    assert main([*common, "--workers", "1"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "train-00099.bin" in line and "--overwrite" in line and len(line.splitlines()) == 1
+    assert main([*common, "--workers", "1", "--overwrite"]) == 0
+    assert theirs.read_bytes() == b"the user's own bytes"
+    assert {path.name for path in out.glob("*.bin")} == {"train-00000.bin", "val-00000.bin", "train-00099.bin"}
+    assert json.loads((out / "prepare.json").read_text())["shards"] == ["train-00000.bin", "val-00000.bin"]
+
+
 def test_uint32_shards_when_the_vocabulary_exceeds_uint16(prepared, corpus, tmp_path, monkeypatch):
     assert dtype_for(65536) == "uint16" and dtype_for(65537) == "uint32"
     writer = ShardWriter(tmp_path, "train", "uint32", shard_tokens=3)
@@ -388,9 +411,8 @@ def test_a_killed_runs_leftovers_are_removed(corpus, prepared, tmp_path):
     (data / ".prepare-tmp").mkdir(parents=True)
     (data / ".prepare-tmp" / "train-00000.bin").write_bytes(b"\1\2\3")  # half a shard of a killed run
     (data / ".prepare-tmp" / "junk").write_text("junk")
-    (data / "train-00007.bin").write_bytes(b"\0" * 6)  # an older run's shard, named by no index
     prepare(corpus, data, workers=2, quiet=True, **SETTINGS)
-    assert not (data / ".prepare-tmp").exists() and not (data / "train-00007.bin").exists()
+    assert not (data / ".prepare-tmp").exists()
     assert shard_bytes(data) == shard_bytes(out)
     assert_no_index_names_a_bad_shard(data)
 
