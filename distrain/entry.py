@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from distrain.artifacts.outputs import check_writable
+from distrain.artifacts.run_directory import inspect_run_directory
 from distrain.checkpoint.checkpointer import checkpoint_step
 from distrain.checkpoint.preflight import prepare_checkpoint_dir
 from distrain.config import register_configs
@@ -94,6 +95,11 @@ def run(cfg: DictConfig) -> float | None:
     except ConfigError as err:
         refuse(err)
     run_dir = hydra_cfg.runtime.output_dir
+    if launcher_rank() == 0:  # other ranks' run directory is "." (prepare_command_line): not theirs to inspect
+        try:
+            inspect_run_directory(run_dir)
+        except ArtifactError as err:
+            refuse(ConfigError("hydra.run.dir", run_dir, f"a directory whose run files are distrain's: {err}"))
     absolute_paths(cfg)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_dict["distributed"]["device"] = plan.device_type

@@ -1,6 +1,7 @@
 """What the launching process settles about the checkpoint directory before any rank starts.
 
-Takes the directory's lock, removes saves a crash interrupted, refuses a fresh run into a directory that holds
+Takes the directory's lock, refuses a directory holding ``step_*`` entries distrain did not write (a save would
+replace them), removes saves a crash interrupted, refuses a fresh run into a directory that holds
 another run's checkpoints (their pruning would delete this run's saves, and ``resume=auto`` would mix the two), and
 refuses a resume whose checkpoint was written for another model, optimizer or checkpoint format. Returns the
 checkpoint of a run that is already complete, when there is nothing to train.
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import (
     checkpoint_step,
     checkpoint_world_size,
+    foreign_entries,
     newest_valid,
     remove_partial_saves,
     step_directories,
@@ -54,6 +56,14 @@ def prepare_checkpoint_dir(
             held.enter_context(CheckpointDirLock(directory, run_dir))
         except OSError as err:
             raise ConfigError("checkpoint.dir", str(directory), f"a directory this job can create ({err})") from None
+    if foreign := foreign_entries(directory):  # distrain's saves would replace it: never a file it did not write
+        raise ConfigError(
+            "checkpoint.dir",
+            str(directory),
+            f"a directory whose step_* entries are distrain's saves: {foreign[0]} was not written by distrain "
+            "(no manifest.json) and a save would replace it; move it, or choose another checkpoint.dir",
+        )
+    if take_lock:
         remove_partial_saves(directory)
     if resume == "never":
         earlier = step_directories(directory)

@@ -23,6 +23,7 @@ from distrain.data.token_format import (
     Shard,
     SplitIndex,
     read_index,
+    remember_written,
     verify_split,
     write_atomically,
     write_index,
@@ -193,6 +194,8 @@ def publish(out: Path, temporary: Path, indexes: dict[str, SplitIndex], record: 
         write_index(out, indexes[split])
     _sync_directory(out)
     shutil.rmtree(temporary, ignore_errors=True)
+    for split in SPLITS:  # hashed while written: training's first start-up need not read them again
+        remember_written(out, indexes[split])
 
 
 def _write_record(out: Path, record: dict, shards: set[str]) -> None:

@@ -211,6 +211,13 @@ def verify_checksums(directory: Path, index: SplitIndex) -> None:
     )
 
 
+def remember_written(directory: Path, index: SplitIndex) -> None:
+    """Record the shards of ``index`` that a writer has just finished (their SHA-256 computed while writing them) as
+    verified in this user's cache, so the first start-up after ``prepare`` on this machine reads none of them again."""
+    shards = [(directory / shard.file, shard.sha256) for shard in index.shards if shard.sha256]
+    _remember_verified(_read_verified(), [(path, digest, _stamp(path)) for path, digest in shards])
+
+
 def _verified_cache() -> Path | None:
     try:
         home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

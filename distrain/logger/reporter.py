@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from distrain.artifacts.run_directory import is_metrics_record
 from distrain.errors import RunError, first_line
 from distrain.logger.console import step_line, summary_table
 from distrain.logger.trackers import TrackedRun, Tracker, numeric_metrics
@@ -83,7 +84,8 @@ class RunReporter:
         if not self.metrics_path.exists():
             return
         lines = self.metrics_path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= initial_step]
+        # A last line a crash cut short is dropped (the inspector of the run directory allows only that one).
+        kept = [line for line in lines if is_metrics_record(line) and json.loads(line)["step"] <= initial_step]
         self.records = [json.loads(line) for line in kept]  # the summary's statistics cover the whole run
         if len(kept) < len(lines):
             rewritten = self.metrics_path.with_suffix(".jsonl.tmp")

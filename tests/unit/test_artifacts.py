@@ -141,3 +141,47 @@ def test_tracker_stores_of_the_wrong_kind_are_refused_before_anything_starts(tmp
     JsonlTracker(path=str(tmp_path / "runs.jsonl")).check()  # an earlier run's file: appended to
     MlflowTracker(tracking_uri=f"sqlite:///{tmp_path / 'new.db'}", experiment_name="x", run_name=None, tags={}).check()
     assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+
+
+def test_a_run_directory_is_used_only_when_its_run_files_are_distrains(tmp_path):
+    from distrain.artifacts.run_directory import inspect_run_directory
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"steps": 4, "world_size": 2, "final_val_loss": 2.0}))
+    (run / "param_groups.json").write_text(json.dumps([{"group": "decay", "names": ["w"]}]))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "lo')  # a crash cut the last line
+    (run / "wandb_run_id").write_text("9f30d27b7d05\n")
+    assert inspect_run_directory(run) == run
+    for name, text in [
+        ("summary.json", '{"accuracy": 0.9}'),
+        ("param_groups.json", "[1, 2]"),
+        ("metrics.jsonl", '{"epoch": 1}\n'),
+        ("wandb_run_id", "my notes about this run\n"),
+    ]:
+        mine = tmp_path / name.replace(".", "_")
+        mine.mkdir()
+        (mine / name).write_text(text)
+        with pytest.raises(ArtifactError, match=f"{name}: is not a distrain run's {name}.*hydra.run.dir"):
+            inspect_run_directory(mine)
+
+
+def test_step_entries_distrain_did_not_write_are_named_and_never_removed(tmp_path):
+    from distrain.checkpoint.checkpointer import foreign_entries, remove_partial_saves
+
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "step_00000002" / "manifest.json").write_text("{}")  # a save of ours
+    (tmp_path / "step_00000004.tmp").mkdir()
+    (tmp_path / "step_00000004.tmp" / "rng_rank0.pt").write_bytes(b"x")  # an interrupted save of ours
+    (tmp_path / "step_00000006.tmp").mkdir()  # interrupted before any rank wrote
+    assert foreign_entries(tmp_path) == []
+    (tmp_path / "step_00000003").mkdir()
+    (tmp_path / "step_00000003" / "notes.txt").write_text("mine")
+    (tmp_path / "step_00000005.tmp").mkdir()
+    (tmp_path / "step_00000005.tmp" / "draft.txt").write_text("mine")
+    (tmp_path / "step_00000007").write_text("a file")
+    names = [p.name for p in foreign_entries(tmp_path)]
+    assert names == ["step_00000003", "step_00000005.tmp", "step_00000007"]
+    remove_partial_saves(tmp_path)
+    assert not (tmp_path / "step_00000004.tmp").exists() and not (tmp_path / "step_00000006.tmp").exists()
+    assert (tmp_path / "step_00000005.tmp" / "draft.txt").read_text() == "mine"

@@ -201,6 +201,27 @@ def test_a_shard_named_file_no_run_wrote_is_never_removed_or_replaced(tmp_path, 
     assert json.loads((out / "prepare.json").read_text())["shards"] == ["train-00000.bin", "val-00000.bin"]
 
 
+def test_the_first_training_start_up_after_prepare_hashes_no_shard(corpus, tmp_path, monkeypatch):
+    """prepare computes each shard's SHA-256 while writing it and records the shards as verified, so the first
+    inspection of its output on this machine reads none of them (the record's "racy" window set to 0 here: a
+    corpus this small is written within it)."""
+    from distrain.artifacts.token_dataset import inspect_token_dataset
+    from distrain.data import token_format
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(token_format, "RACY_NS", 0)
+    out = tmp_path / "data"
+    prepare(corpus, out, workers=1, quiet=True, **SETTINGS)
+    hashed = []
+    monkeypatch.setattr(token_format, "sha256_of", lambda path: hashed.append(path.name) or "")
+    inspect_token_dataset(out)
+    assert hashed == []
+    (out / "val-00000.bin").write_bytes((out / "val-00000.bin").read_bytes())  # rewritten: stamp changed
+    with pytest.raises(DataError, match="val-00000.bin: its SHA-256 differs"):
+        inspect_token_dataset(out)
+    assert hashed == ["val-00000.bin"]
+
+
 def test_uint32_shards_when_the_vocabulary_exceeds_uint16(prepared, corpus, tmp_path, monkeypatch):
     assert dtype_for(65536) == "uint16" and dtype_for(65537) == "uint32"
     writer = ShardWriter(tmp_path, "train", "uint32", shard_tokens=3)
