@@ -5,8 +5,8 @@ python train.py parallelism=single optimizer=sgd  # any group option, any key, a
 torchrun --nproc_per_node 4 train.py ...          # under an outer launcher: one rank per process
 
 Hydra composes ``conf/config.yaml`` with the overrides; everything after that lives in the package:
-``distrain.entry.run`` validates and launches, ``distrain.rank.build_and_train`` is each rank's work,
-``distrain.build.build`` builds its components and ``distrain.loop.train`` trains.
+``distrain.launch.entry.run`` validates and launches, ``distrain.trainer.rank.build_and_train`` is each rank's work,
+``distrain.trainer.build.build`` builds its components and ``distrain.trainer.loop.train`` trains.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from distrain.entry import prepare_command_line, run
+from distrain.launch.entry import prepare_command_line, run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

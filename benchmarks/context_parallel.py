@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from common import publish
 
-from distrain.dist import init_distributed, shutdown_distributed
-from distrain.launch import run_ranks
+from distrain.launch.process_group import init_distributed, shutdown_distributed
+from distrain.launch.ranks import run_ranks
 from distrain.models.llama.model import Llama
 from distrain.models.llama.spec import enable_context_parallel
 from distrain.models.spec import next_token_loss

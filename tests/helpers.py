@@ -16,10 +16,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from distrain.config import register_configs
-from distrain.dist import DistEnv, init_distributed, shutdown_distributed
-from distrain.launch import run_ranks
-from distrain.overrides import quote_group_options
+from distrain.config.overrides import quote_group_options
+from distrain.config.schema import register_configs
+from distrain.launch.process_group import DistEnv, init_distributed, shutdown_distributed
+from distrain.launch.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -191,10 +191,10 @@ def train_steps(cfg_dicts: list[dict[str, Any]], steps: int, checkpoint_at: int 
     """
     import tempfile
 
-    from distrain.build import build
     from distrain.checkpoint.checkpointer import Checkpointer
-    from distrain.loop import TrainState, loop_state, restore_loop_state
     from distrain.parallelism.compile import compile_report
+    from distrain.trainer.build import build
+    from distrain.trainer.loop import TrainState, loop_state, restore_loop_state
 
     env = join(None)
     results = []

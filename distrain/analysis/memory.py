@@ -1,11 +1,11 @@
-"""Memory planning: per-rank model-state bytes predicted for each strategy (``distrain.parallelism.memory``), set
+"""Memory planning: per-rank model-state bytes predicted for each strategy (``distrain.planning.memory``), set
 against what runs measured, and which strategies fit a memory budget."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from distrain.parallelism.memory import predicted_model_state_bytes
+from distrain.planning.memory import predicted_model_state_bytes
 
 # (strategy as in summary.json, stage) rows of a plan; torch-native strategies train fp32 parameters directly.
 STRATEGIES = {

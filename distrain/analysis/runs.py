@@ -67,7 +67,7 @@ def load_wandb_runs(root: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(runs, metrics) from W&B offline runs (``wandb/offline-run-*``) under ``root``, read from W&B's own files
     without its service: one row per run with its config's ``parallelism``/``world size`` where present and its
     summary; one row per history record."""
-    from distrain.logger.wandb_files import read_wandb_run
+    from distrain.trackers.wandb_files import read_wandb_run
 
     rows, records = [], []
     for run_dir in sorted(Path(root).rglob("offline-run-*")):

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from distrain.checkpoint.data_only import load_tensors_and_values, unsafe_content
 from distrain.errors import CheckpointSpaceError
-from distrain.faults import maybe_inject_fault
+from distrain.trainer.faults import maybe_inject_fault
 
 log = logging.getLogger(__name__)
 

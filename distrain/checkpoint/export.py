@@ -43,8 +43,8 @@ from distrain.checkpoint.checkpointer import checkpoint_problem
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
 from distrain.errors import ArtifactError
 from distrain.models.spec import spec_of
+from distrain.parallelism.checks import root_cause
 from distrain.parallelism.zero import CHECKPOINT_TAG, import_deepspeed
-from distrain.validate_parallelism import root_cause
 
 EXPORT_MARK = "distrain_export.json"  # in an hf export: what --overwrite may replace (names its checkpoint)
 MODEL_KEY = "model"  # the strategies save {"model": ..., "optimizer": ..., ...}; DCP flattens it to "model.<name>"

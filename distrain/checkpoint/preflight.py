@@ -25,7 +25,7 @@ from distrain.checkpoint.checkpointer import (
     uses_checkpoint_dir,
 )
 from distrain.checkpoint.lock import CheckpointDirLock
-from distrain.config_checks import ConfigError, as_typed
+from distrain.config.checks import ConfigError, as_typed
 
 log = logging.getLogger("distrain.train")
 # Optimizer settings a checkpoint's optimizer state carries (per parameter group): a resumed run keeps the saved ones.

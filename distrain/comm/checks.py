@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from distrain.config_checks import ConfigError, at_least, check, positive
+from distrain.config.checks import ConfigError, at_least, check, positive
 
 ADAPTIVE_OPTIMIZERS = (".adamw",)  # optimizer targets that normalise each entry by its own history
 

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.comm.quality import CompressedComm
 from distrain.comm.traffic import all_reduce_bytes
-from distrain.dist import DistEnv
+from distrain.launch.process_group import DistEnv
 
 CAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 

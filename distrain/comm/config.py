@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distrain.choices import choices
+from distrain.config.choices import choices
 
 CommDtype = choices("CommDtype", "bfloat16", "float16")
 TopKFeedback = choices("TopKFeedback", "update", "estimate", "residual")

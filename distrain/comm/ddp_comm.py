@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.comm.traffic import all_reduce_bytes
-from distrain.dist import DistEnv
+from distrain.launch.process_group import DistEnv
 from distrain.monitor.timing import Clock
 
 

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.comm.ddp_comm import DDPComm
 from distrain.comm.traffic import all_reduce_bytes, broadcast_bytes, reduce_bytes
-from distrain.dist import DistEnv
+from distrain.launch.process_group import DistEnv
 
 log = logging.getLogger(__name__)
 

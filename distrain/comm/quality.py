@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distrain.comm.ddp_comm import DDPComm
-from distrain.dist import DistEnv
+from distrain.launch.process_group import DistEnv
 from distrain.monitor.timing import Clock
 
 log = logging.getLogger(__name__)

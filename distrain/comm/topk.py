@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.comm.quality import CompressedComm
 from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
-from distrain.dist import DistEnv
+from distrain.launch.process_group import DistEnv
 
 FEEDBACKS = ("estimate", "residual")  # feedback on gradients; "update" is distrain.comm.topk_update's
 MAX_INDEX = 2**31 - 1  # indices travel as int32

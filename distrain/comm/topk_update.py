@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distrain.comm.topk import TopKComm, copy_from_flat, flatten
 from distrain.comm.traffic import all_reduce_bytes
-from distrain.dist import DistEnv
+from distrain.launch.process_group import DistEnv
 
 
 def topk_comm(*, feedback: str = "update", sync_every: int = 0, **options: Any) -> TopKComm:

@@ -101,7 +101,7 @@ class ModelSpec:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss
     auxiliary_loss: Callable[[nn.Module], torch.Tensor | None] | None = None
     metrics: Callable[[nn.Module], dict[str, float]] | None = None
-    # Checks of the family's own config keys (``distrain.config_checks.check``), run before any rank starts.
+    # Checks of the family's own config keys (``distrain.config.checks.check``), run before any rank starts.
     check_config: Callable[[Any], None] | None = None
     # State-dict renaming to and from Hugging Face's names for the family (None: no HF counterpart).
     to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from distrain.config_checks import ConfigError, at_least, check, positive
+from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.optim.groups import GroupRuleError, GroupRules, resolve
 from distrain.optim.schedule import decay_steps
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from distrain.choices import choices
+from distrain.config.choices import choices
 from distrain.optim.groups import ROLES
 
 Decay = choices("Decay", "cosine", "linear", "constant", "wsd")

@@ -1,7 +1,7 @@
 """Optimizer builders. Each takes ``named_parameters`` (this rank's, after the strategy wrapped or sharded the model)
 and ``replicated_over`` (the process group over which every rank holds the same whole parameters, as under DDP;
 None: no such group), and builds parameter groups by rule (``distrain.optim.groups``) from the ``roles`` of the
-unwrapped model (bound by ``distrain.build``; None: roles by name and shape only: bias, matrix, vector)."""
+unwrapped model (bound by ``distrain.trainer.build``; None: roles by name and shape only: bias, matrix, vector)."""
 
 from __future__ import annotations
 

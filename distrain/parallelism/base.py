@@ -28,14 +28,14 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, saved_optimizer_key
 from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
-from distrain.dist import DistEnv
 from distrain.errors import RunError
-from distrain.faults import maybe_inject_fault
+from distrain.launch.process_group import DistEnv
 from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
 from distrain.optim.groups import base_lr
-from distrain.parallelism.memory import ModelStateBytes, measure_torch_model_state
+from distrain.planning.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
+from distrain.trainer.faults import maybe_inject_fault
 
 # (named_parameters, replicated_over=group or None) -> optimizer: ``distrain.optim.optimizers``.
 OptimizerFactory = Callable[..., torch.optim.Optimizer]

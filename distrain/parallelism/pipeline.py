@@ -34,8 +34,8 @@ from distrain.parallelism.base import (
     scale_to_norm,
     squared_grad_norm,
 )
-from distrain.parallelism.memory import measure_torch_model_state
 from distrain.parallelism.recompute import apply_activation_checkpointing
+from distrain.planning.memory import measure_torch_model_state
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

@@ -24,13 +24,13 @@ from torch import nn
 from distrain.checkpoint.checkpointer import checkpoint_world_size
 from distrain.checkpoint.data_only import load_tensors_and_values
 from distrain.data.sampler import Batch
-from distrain.faults import maybe_inject_fault
 from distrain.models.spec import spec_of
 from distrain.optim.deepspeed_muon import deepspeed_muon
 from distrain.optim.groups import base_lr
 from distrain.optim.muon import Muon
 from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext
-from distrain.parallelism.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
+from distrain.planning.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
+from distrain.trainer.faults import maybe_inject_fault
 
 CHECKPOINT_TAG = "deepspeed"
 # DeepSpeed's defaults for the buffer sizes (elements) that are sized to the model when not set; sizes are rounded

@@ -180,7 +180,7 @@ def built_strategy_split(cfg_dict):
 
     from omegaconf import OmegaConf
 
-    from distrain.build import build
+    from distrain.trainer.build import build
 
     env = join(None)
     try:

@@ -7,7 +7,7 @@ import torch
 from helpers import FAST, compose_config, cpu_state, join, leave, on_ranks, to_plain
 from omegaconf import OmegaConf
 
-from distrain.build import build
+from distrain.trainer.build import build
 
 STEPS = 10
 pytestmark = pytest.mark.distributed

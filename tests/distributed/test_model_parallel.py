@@ -8,8 +8,8 @@ import pytest
 from helpers import FAST, compose_config, join, leave, on_ranks, to_plain, train_steps
 from omegaconf import OmegaConf
 
+from distrain.config.validate import ConfigError, validate
 from distrain.parallelism.pipeline import balanced_split
-from distrain.validate import ConfigError, validate
 
 pytestmark = pytest.mark.distributed
 
@@ -118,8 +118,8 @@ def test_activation_checkpointing_per_stage_keeps_the_losses():
 def busy_and_schedule_seconds(cfg_dicts, steps):
     """Per config: this rank's seconds in forward/backward chunks and in the schedule (steps after the first), and
     the theoretical bubble."""
-    from distrain.build import build
     from distrain.monitor.timing import pipeline_occupancy
+    from distrain.trainer.build import build
 
     env = join(None)
     try:

@@ -8,8 +8,8 @@ import pytest
 from helpers import FAST, compose_config, cpu_state, join, leave, on_ranks, to_plain
 from omegaconf import OmegaConf
 
-from distrain.build import build
 from distrain.parallelism.base import NonFiniteGradientError
+from distrain.trainer.build import build
 
 pytestmark = pytest.mark.distributed
 

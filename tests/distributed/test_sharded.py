@@ -4,7 +4,7 @@ model-state memory close to the ZeRO formulas, sharded checkpoints that resume e
 import pytest
 from helpers import FAST, compose_config, on_ranks, to_plain, train_steps
 
-from distrain.dry_run import plan
+from distrain.planning.dry_run import plan
 
 pytestmark = pytest.mark.distributed
 

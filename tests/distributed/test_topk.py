@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 from test_comm import DDP_ARGS, STEPS, configs, tiny_model, topk
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain.build import build
 from distrain.comm.compression import CastComm
 from distrain.monitor.timing import Clock
+from distrain.trainer.build import build
 
 pytestmark = pytest.mark.distributed
 
@@ -215,7 +215,7 @@ def test_topk_one_percent_on_the_default_task_keeps_dense_quality():
 
 
 def validation_after(cfg_dicts):
-    from distrain.loop import evaluate
+    from distrain.trainer.loop import evaluate
 
     env = join(None)
     try:

@@ -12,7 +12,7 @@ from helpers import FAST, compose_config, cpu_state, join, leave, on_ranks, to_p
 from omegaconf import OmegaConf
 from test_nonfinite import poisoned_run
 
-from distrain.build import build
+from distrain.trainer.build import build
 
 pytestmark = pytest.mark.distributed
 

@@ -17,9 +17,9 @@ def extended_and_planned(short_cfg, long_cfg, save_at):
     the long plan from the start."""
     from omegaconf import OmegaConf
 
-    from distrain.build import build
     from distrain.checkpoint.checkpointer import Checkpointer
-    from distrain.loop import TrainState, loop_state, restore_loop_state
+    from distrain.trainer.build import build
+    from distrain.trainer.loop import TrainState, loop_state, restore_loop_state
 
     env = join(None)
     try:

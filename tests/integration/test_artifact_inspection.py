@@ -2,8 +2,9 @@
 
 A table of artifact kind x damage x entry point: Hugging Face model directories (``model=hf``,
 ``model.init_from``), token datasets (``data=tokens``), tokenizers, checkpoints, output paths and tracker stores,
-each kind through every entry point that reads it (``train.py``, ``python -m distrain.check_model``, ``-m
-distrain.checkpoint.export``, ``-m distrain.generate``, ``-m distrain.data.prepare``): the issue's cases through each
+each kind through every entry point that reads it (``train.py``, ``python -m distrain.tools.check_model``, ``-m
+distrain.checkpoint.export``, ``-m distrain.tools.generate``, ``-m distrain.data.prepare``): the issue's cases through
+each
 of their readers, the other damages through one or two, so that the file stays near 3 minutes on 2 cores. Each row is
 a real subprocess; all rows run at once on a few workers. Every row must exit non-zero within 30 s with no
 traceback, end its stderr with one ``distrain`` line naming the config key or the damaged file, take no training
@@ -114,7 +115,7 @@ def train(
 
 
 def check_model(*overrides: str) -> Invocation:
-    return python("-m", "distrain.check_model", *overrides, "--layouts", "single", "--steps", "1")
+    return python("-m", "distrain.tools.check_model", *overrides, "--layouts", "single", "--steps", "1")
 
 
 def export(checkpoint: Path | str, out: Path | str, *flags: str) -> Invocation:
@@ -122,7 +123,7 @@ def export(checkpoint: Path | str, out: Path | str, *flags: str) -> Invocation:
 
 
 def generate(checkpoint: Path | str, *flags: str) -> Invocation:
-    return python("-m", "distrain.generate", str(checkpoint), "--max-new-tokens", "2", *flags)
+    return python("-m", "distrain.tools.generate", str(checkpoint), "--max-new-tokens", "2", *flags)
 
 
 def prepare(corpus: Path, out: Path | str, *flags: str) -> Invocation:
@@ -143,7 +144,7 @@ def execute(invocation: Invocation) -> Outcome:
 
 def expected_cost(invocation: Invocation) -> int:
     """A rough order of run times: check_model, then train.py, then the one-process tools, then prepare."""
-    modules = ("distrain.check_model", "train.py", "distrain.generate", "distrain.checkpoint.export")
+    modules = ("distrain.tools.check_model", "train.py", "distrain.tools.generate", "distrain.checkpoint.export")
     return next((len(modules) - n for n, module in enumerate(modules) if any(module in a for a in invocation.args)), 0)
 
 
@@ -857,7 +858,7 @@ def test_the_undamaged_artifacts_work(outcomes):
     for key, outcome in outcomes.items():
         if not key.startswith("good:"):
             continue
-        trains = outcome.invocation.run_dir is not None or "distrain.check_model" in outcome.invocation.args
+        trains = outcome.invocation.run_dir is not None or "distrain.tools.check_model" in outcome.invocation.args
         if outcome.returncode != 0 or (trains and not steps_taken(outcome)):
             failed[key] = f"exit {outcome.returncode}: {outcome.stderr[-1500:]}"
     if failed:

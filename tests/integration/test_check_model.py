@@ -1,4 +1,5 @@
-"""``python -m distrain.check_model``: llama_tiny is exact under every layout; the own-model example (docs/models.md)
+"""``python -m distrain.tools.check_model``: llama_tiny is exact under every layout; the own-model example
+(docs/models.md)
 works as written; a layout that is not exact is reported as failing; bad arguments get one line."""
 
 import os
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 def check_model(*args: str, env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "distrain.check_model", *args],
+        [sys.executable, "-m", "distrain.tools.check_model", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

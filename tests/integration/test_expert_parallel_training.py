@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers import compose_config, run_train
 
-from distrain.validate import ConfigError, validate
+from distrain.config.validate import ConfigError, validate
 
 pytestmark = pytest.mark.integration
 

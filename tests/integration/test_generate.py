@@ -1,4 +1,5 @@
-"""``python -m distrain.generate``: the default run's checkpoint (GPT, DDP, bytes) and a llama_tiny FSDP run's, on one
+"""``python -m distrain.tools.generate``: the default run's checkpoint (GPT, DDP, bytes) and a llama_tiny FSDP run's,
+on one
 process; greedy decoding equals the model's own argmax continuation; bad paths are one line."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 from helpers import REPO, run_train
 
-from distrain.generate import load_model
+from distrain.tools.generate import load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
@@ -18,7 +19,7 @@ PROMPT = "def main("
 
 
 def generate(*args):
-    command = [sys.executable, "-m", "distrain.generate", *map(str, args)]
+    command = [sys.executable, "-m", "distrain.tools.generate", *map(str, args)]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from helpers import FAST, compose_config, run_train
 
-from distrain.validate import validate
+from distrain.config.validate import validate
 
 pytestmark = pytest.mark.integration
 

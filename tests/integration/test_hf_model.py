@@ -27,7 +27,7 @@ def hf_dir(tmp_path_factory):
 
 
 def test_check_model_passes_the_data_tensor_and_pipeline_parallel_layouts(hf_dir):
-    check = [sys.executable, "-m", "distrain.check_model", "model=hf", f"model.name_or_path={hf_dir}"]
+    check = [sys.executable, "-m", "distrain.tools.check_model", "model=hf", f"model.name_or_path={hf_dir}"]
     done = subprocess.run(
         [*check, "--layouts", "fsdp,tensor,pipeline"],
         cwd=REPO, capture_output=True, text=True, timeout=900,

@@ -6,8 +6,8 @@ import json
 import pytest
 from helpers import FAST, REPO, compose_config, run_train
 
+from distrain.config.validate import ConfigError, validate
 from distrain.parallelism.hybrid import MeshDegrees
-from distrain.validate import ConfigError, validate
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,7 @@ def test_the_default_is_one_copy_per_node():
 
 
 def test_two_nodes_with_the_shard_degree_set_plan_in_one_line_or_fit():
-    from distrain.dry_run import plan
+    from distrain.planning.dry_run import plan
 
     two_nodes = [*FAST, "dry_run=true", "target.nodes=2", "target.ranks_per_node=4", "parallelism=hsdp"]
     report = plan(compose_config([*two_nodes, "parallelism.dp=4"]))  # 2 copies (one per node) x 4 shards

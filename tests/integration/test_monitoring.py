@@ -6,8 +6,8 @@ import json
 import pytest
 from helpers import FAST, run_train
 
-from distrain.logger.console import si_number
-from distrain.logger.wandb_files import read_wandb_run
+from distrain.trackers.console import si_number
+from distrain.trackers.wandb_files import read_wandb_run
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from distrain.checkpoint.preflight import pipeline_layout
+from distrain.config.validate import ConfigError, validate
+from distrain.parallelism.checks import hybrid_degrees
 from distrain.parallelism.hybrid import _ComposedModel, _ComposedPipeline
-from distrain.validate import ConfigError, validate
-from distrain.validate_parallelism import hybrid_degrees
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ import pytest
 from helpers import CONF_DIR, REPO, compose_config, run_train, write_token_dataset
 from omegaconf import OmegaConf
 
-from distrain.overrides import composition_error, quote_group_options
-from distrain.validate import validate
+from distrain.config.overrides import composition_error, quote_group_options
+from distrain.config.validate import validate
 
 pytestmark = pytest.mark.integration
 

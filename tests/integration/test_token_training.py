@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 pytestmark = pytest.mark.integration
 
-STDLIB_BYTES = np.frombuffer((REPO / "distrain" / "validate.py").read_bytes() * 8, dtype=np.uint8)
+STDLIB_BYTES = np.frombuffer((REPO / "distrain" / "config" / "validate.py").read_bytes() * 8, dtype=np.uint8)
 COMMON = ["data=tokens", "logger=none", "model.n_layers=1", "data.micro_batch_size=4", "data.seq_len=64"]
 
 
@@ -73,7 +73,7 @@ def test_a_damaged_dataset_is_one_line_before_any_rank_starts(shards, tmp_path):
 def test_generate_samples_from_a_checkpoint(shards, tmp_path):
     args = [*COMMON, f"data.path={shards}", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]
     assert run_train([*args, f"hydra.run.dir={tmp_path}"], REPO).returncode == 0
-    generate = [sys.executable, "-m", "distrain.generate", str(tmp_path / "checkpoints" / "step_00000002")]
+    generate = [sys.executable, "-m", "distrain.tools.generate", str(tmp_path / "checkpoints" / "step_00000002")]
     done = subprocess.run(
         [*generate, "--prompt", "def ", "--max-new-tokens", "20", "--tokenizer", "bytes"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -111,7 +111,12 @@ def test_text_jsonl_and_parquet_prepared_then_trained_with_the_loss_falling(tmp_
     assert trained[20] < trained[1] - 0.3, trained  # 6.94 -> 6.50 measured
     saved = OmegaConf.load(tmp_path / "run" / "checkpoints" / "step_00000020" / "config.yaml")
     assert saved.model.vocab_size == 1024
-    generate = [sys.executable, "-m", "distrain.generate", str(tmp_path / "run" / "checkpoints" / "step_00000020")]
+    generate = [
+        sys.executable,
+        "-m",
+        "distrain.tools.generate",
+        str(tmp_path / "run" / "checkpoints" / "step_00000020"),
+    ]
     sampled = subprocess.run(
         [*generate, "--prompt", "def ", "--max-new-tokens", "10"], cwd=REPO, capture_output=True, text=True
     )

@@ -13,8 +13,8 @@ from helpers import FAST, compose_config, run_train
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from distrain.logger.wandb_files import read_wandb_run
-from distrain.validate import ConfigError, validate_trackers
+from distrain.config.validate import ConfigError, validate_trackers
+from distrain.trackers.wandb_files import read_wandb_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 

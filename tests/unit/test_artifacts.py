@@ -126,8 +126,8 @@ def test_what_transformers_loads_from_older_checkpoints_is_accepted(tmp_path):
 def test_tracker_stores_of_the_wrong_kind_are_refused_before_anything_starts(tmp_path):
     """A text file as MLflow's SQLite database (MLflow would fail only once the ranks run), and a file of the
     user's own text as the JSON-lines runs file (records would be appended to it)."""
-    from distrain.logger.mlflow_tracker import MlflowTracker
-    from distrain.logger.trackers import JsonlTracker, TrackerSetupError
+    from distrain.trackers.base import JsonlTracker, TrackerSetupError
+    from distrain.trackers.mlflow_tracker import MlflowTracker
 
     (tmp_path / "notes.txt").write_text("my notes\n")
     store = MlflowTracker(

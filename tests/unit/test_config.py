@@ -11,8 +11,8 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ValidationError
 
-from distrain.config import CONFIG_GROUPS
-from distrain.validate import validate
+from distrain.config.schema import CONFIG_GROUPS
+from distrain.config.validate import validate
 
 
 def group_options():

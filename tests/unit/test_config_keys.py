@@ -2,7 +2,8 @@
 
 ``KEYS`` is the table: for each key, either a wrong value and the words of the one-line refusal that names the
 key, the value and what is allowed, or why no value of the key's type is wrong. Refusals come from three places:
-Hydra's composition (types and enums: ``distrain.overrides.composition_error``), ``distrain.validate.validate``
+Hydra's composition (types and enums: ``distrain.config.overrides.composition_error``),
+``distrain.config.validate.validate``
 (ranges, divisibility, lengths, combinations, the data against the model), and the dry-run planner (``target.*``).
 A schema key missing from the table fails ``test_every_schema_key_has_an_entry``.
 """
@@ -12,10 +13,10 @@ import dataclasses
 import pytest
 from helpers import FAST, compose_config
 
-from distrain.config import SCHEMAS, Config
-from distrain.dry_run import plan
-from distrain.overrides import composition_error
-from distrain.validate import ConfigError, validate
+from distrain.config.overrides import composition_error
+from distrain.config.schema import SCHEMAS, Config
+from distrain.config.validate import ConfigError, validate
+from distrain.planning.dry_run import plan
 
 
 def compose(*overrides):

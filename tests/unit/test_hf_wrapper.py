@@ -150,7 +150,7 @@ def test_other_architectures_are_wrapped_whole_and_map_names(saved):
     [("tensor", "has no tensor-parallel plan"), ("pipeline", "has no pipeline split: only Llama-layout")],
 )
 def test_other_architectures_refuse_tensor_and_pipeline_in_one_line_naming_what_works(saved, layout, words):
-    from distrain.check_model import LAYOUTS, layout_overrides, refusal
+    from distrain.tools.check_model import LAYOUTS, layout_overrides, refusal
 
     chosen = next(entry for entry in LAYOUTS if entry.name == layout)
     line = refusal(layout_overrides(chosen, 2, ["model=hf", f"model.name_or_path={saved('gpt2')}"]))

@@ -23,11 +23,11 @@ GENERIC = [
     "distrain/parallelism",
     "distrain/monitor",
     "distrain/checkpoint",
-    "distrain/loop.py",
-    "distrain/dry_run.py",
-    "distrain/validate.py",
-    "distrain/validate_parallelism.py",
-    "distrain/check_model.py",
+    "distrain/trainer/loop.py",
+    "distrain/planning/dry_run.py",
+    "distrain/config/validate.py",
+    "distrain/parallelism/checks.py",
+    "distrain/tools/check_model.py",
     "train.py",
 ]
 TORCH_NAMES = {"weight", "bias"}  # torch's own parameter names, not a family's
@@ -169,7 +169,7 @@ def test_generic_packages_exist():
 def test_fsdp_shards_stacked_experts_over_more_ranks_than_experts():
     """Mixtral's 8 experts per layer over 64 ranks: every rank holds 1/64 of the parameters (planned on the fake
     process group with FSDP's own sharding), not the 1/8 that splitting the experts' dimension would give."""
-    from distrain.dry_run import plan
+    from distrain.planning.dry_run import plan
 
     common = ["model=mixtral_8x7b", "dry_run=true", "target.ranks_per_node=8", "target.device=cuda"]
     common += ["parallelism=fsdp", "precision=bf16", "data.micro_batch_size=1", "data.seq_len=256"]

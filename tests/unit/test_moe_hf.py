@@ -10,7 +10,7 @@ from helpers import compose_config, save_tiny_hf_llama
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distrain.config_checks import ConfigError
+from distrain.config.checks import ConfigError
 from distrain.models.hf_weights import load_hf_weights
 from distrain.models.moe.hf import from_hf, from_hf_config, hf_config, to_hf
 from distrain.models.moe.model import MoE

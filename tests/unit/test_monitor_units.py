@@ -5,10 +5,10 @@ import re
 import pytest
 import torch
 
-from distrain.logger.reporter import metric_statistics
-from distrain.logger.trackers import WANDB_ID_FILE, TrackedRun, WandbTracker
 from distrain.monitor.flops import gpu_peak_flops
 from distrain.monitor.timing import Clock, phase_seconds
+from distrain.trackers.base import WANDB_ID_FILE, TrackedRun, WandbTracker
+from distrain.trackers.reporter import metric_statistics
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_a_tracker_run_id_is_kept_in_the_run_directory(tmp_path):
 
 
 def test_a_relative_mlflow_store_is_made_absolute_for_the_saved_config(tmp_path, monkeypatch):
-    from distrain.logger.mlflow_tracker import absolute_tracking_uri
+    from distrain.trackers.mlflow_tracker import absolute_tracking_uri
 
     monkeypatch.chdir(tmp_path)
     assert absolute_tracking_uri("sqlite:///runs/m.db") == f"sqlite:///{tmp_path / 'runs' / 'm.db'}"
@@ -81,7 +81,7 @@ def test_a_relative_mlflow_store_is_made_absolute_for_the_saved_config(tmp_path,
 
 
 def test_a_console_line_survives_missing_and_non_finite_metrics():
-    from distrain.logger.console import step_line
+    from distrain.trackers.console import step_line
 
     line = step_line({"step": 3, "loss": float("nan"), "lr": None, "mfu": 0.25, "step_time_s": float("inf")}, 10)
     assert line == "step 3/10 | loss nan | mfu 25.0%"
@@ -91,7 +91,7 @@ def test_a_console_line_survives_missing_and_non_finite_metrics():
 
 def test_the_summary_table_says_no_validation_apart_from_a_diverged_one():
     """A run stopped before its first validation has no validation loss ('-'); a diverged one shows nan."""
-    from distrain.logger.console import summary_table
+    from distrain.trackers.console import summary_table
 
     summary = {"steps": 5, "stopped_by": "SIGTERM", "layout": "zero stage 3", "world_size": 2, "precision": "bf16"}
 

@@ -159,7 +159,7 @@ def test_resuming_with_other_group_rules_is_refused_in_one_line(tmp_path, overri
     from omegaconf import OmegaConf
 
     from distrain.checkpoint.preflight import check_resumable
-    from distrain.config_checks import ConfigError
+    from distrain.config.checks import ConfigError
 
     saved = compose_config(["model=llama_tiny"])
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
@@ -171,7 +171,7 @@ def test_resuming_with_other_group_rules_is_refused_in_one_line(tmp_path, overri
 
 
 def test_muon_refuses_what_deepspeed_fixes_and_offloaded_shards_in_one_line():
-    from distrain.config_checks import ConfigError
+    from distrain.config.checks import ConfigError
     from distrain.optim.checks import validate_optimizer
 
     for overrides, key in (

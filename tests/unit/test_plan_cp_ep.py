@@ -8,11 +8,11 @@ import torch
 from helpers import compose_config, run_train
 from hydra.utils import instantiate
 
-from distrain.dry_run import plan
+from distrain.config.validate import ConfigError
 from distrain.models.moe.expert_parallel import EXPERT_WEIGHTS
 from distrain.models.moe.model import MoEFeedForward
 from distrain.models.spec import spec_of
-from distrain.validate import ConfigError
+from distrain.planning.dry_run import plan
 
 COMMON = ["data=synthetic", "target.device=cuda"]  # synthetic: no corpus to read
 HYBRID = [*COMMON, "parallelism=hybrid"]

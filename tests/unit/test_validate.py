@@ -5,9 +5,9 @@ import torch
 from helpers import FAST, compose_config, run_train
 from hydra.utils import instantiate
 
-from distrain.dry_run import plan
+from distrain.config.validate import ConfigError, validate
+from distrain.planning.dry_run import plan
 from distrain.precision.policy import autocast_supported
-from distrain.validate import ConfigError, validate
 
 BAD_INPUTS = [
     # (override, key named in the message, what the message must say is allowed)
@@ -265,7 +265,7 @@ def test_a_refusal_shows_values_as_they_are_typed_on_the_command_line():
     ],
 )
 def test_hsdp_on_one_node_says_it_is_fsdp_and_how_to_get_two_copies(overrides, world, per_node, suggested):
-    from distrain.validate_parallelism import single_copy_note
+    from distrain.parallelism.checks import single_copy_note
 
     note = single_copy_note(compose_config(["parallelism=hsdp", *overrides]), world, per_node)
     if suggested is None:
@@ -286,7 +286,7 @@ def test_the_stop_hint_continues_the_run_where_it_was(tmp_path, monkeypatch, mod
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from distrain.entry import resume_override
+    from distrain.launch.entry import resume_override
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "outputs" / "run"

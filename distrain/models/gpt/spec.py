@@ -5,7 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 from torch import nn
 
-from distrain.config_checks import at_least, check
+from distrain.config.checks import at_least, check
 from distrain.models.gpt.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ConfigProblem, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from distrain.config_checks import ConfigError, check
+from distrain.config.checks import ConfigError, check
 from distrain.errors import ArtifactError
 from distrain.models.spec import ConfigProblem, ModelSpec, default_parameter_roles, matmul_flops_per_token
 from distrain.models.tensor_plans import DecoderNames, decoder_plan

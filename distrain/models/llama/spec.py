@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from distrain.config_checks import ConfigError, at_least, check, positive
+from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.errors import ArtifactError
 from distrain.models.llama.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ConfigProblem, ModelSpec

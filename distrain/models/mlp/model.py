@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from distrain.config_checks import at_least, check
+from distrain.config.checks import at_least, check
 from distrain.models.spec import ModelSpec
 
 

@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from distrain.config_checks import ConfigError, at_least, check
+from distrain.config.checks import ConfigError, at_least, check
 from distrain.models.llama.spec import check_config as check_llama_config
 from distrain.models.llama.spec import check_init_from as check_llama_init_from
 from distrain.models.llama.spec import enable_context_parallel

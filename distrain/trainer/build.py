@@ -14,10 +14,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from distrain.checkpoint.checkpointer import Checkpointer
-from distrain.config import TrainerConfig
+from distrain.config.schema import TrainerConfig
 from distrain.data.sampler import Batch, GlobalBatchSampler, TrainBatches, token_windows, validation_batches
-from distrain.dist import DistEnv
-from distrain.logger.reporter import RunReporter
+from distrain.launch.process_group import DistEnv
 from distrain.models.spec import spec_of
 from distrain.monitor.flops import peak_flops_per_device
 from distrain.monitor.timing import Clock
@@ -27,7 +26,8 @@ from distrain.optim.checks import rules_of
 from distrain.parallelism.base import Strategy, StrategyContext
 from distrain.parallelism.compile import apply_compile
 from distrain.parallelism.recompute import apply_activation_checkpointing
-from distrain.seeding import seed_everything
+from distrain.trackers.reporter import RunReporter
+from distrain.trainer.seeding import seed_everything
 
 log = logging.getLogger("distrain.train")
 

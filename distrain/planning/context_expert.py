@@ -1,4 +1,4 @@
-"""The context- and expert-parallel terms of the dry run's per-rank memory (``distrain.parallelism.planning``).
+"""The context- and expert-parallel terms of the dry run's per-rank memory (``distrain.planning.rank_memory``).
 
 Both work on the meta device, under the fake process group ``dry_run.py`` sets up, on the two copies of a rank's
 modules the planner builds: the held one (split and sharded as the strategy holds it at rest) and the computing one
@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from distrain.models.spec import spec_of
 from distrain.parallelism.context import ContextParallel
 from distrain.parallelism.hybrid import MeshDegrees
-from distrain.parallelism.memory import local
+from distrain.planning.memory import local
 from distrain.precision.policy import PrecisionPolicy
 
 Measure = Callable[[nn.Module, int], int]  # (computing model, local seq_len) -> bytes saved by one forward

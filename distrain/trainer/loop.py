@@ -1,7 +1,8 @@
 """The train loop: plain functions over a small, checkpointable ``TrainState``.
 
 Collectives per step: the strategy's, then one small all-reduce on a CPU group where ranks agree on signals,
-failures and pending asynchronous saves (``distrain.agreement``). Every ``log_every`` steps one all-reduce averages
+failures and pending asynchronous saves (``distrain.trainer.agreement``). Every ``log_every`` steps one all-reduce
+averages
 the window's loss across ranks; every ``eval_every`` steps one all-reduce sums the validation loss.
 """
 
@@ -15,18 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrain.agreement import AgreementTimeout, PeerFailedError, StepAgreement, Verdict
 from distrain.checkpoint.checkpointer import Checkpointer, rng_state, set_rng_state
-from distrain.config import TrainerConfig
+from distrain.config.schema import TrainerConfig
 from distrain.data.sampler import Batch, TrainBatches
-from distrain.dist import is_collective_timeout, is_peer_failure
 from distrain.errors import ArtifactError, CheckpointSpaceError
-from distrain.faults import maybe_inject_delay, maybe_inject_fault
-from distrain.logger.reporter import RunReporter
+from distrain.launch.process_group import is_collective_timeout, is_peer_failure
 from distrain.monitor.profiler import StepProfiler
 from distrain.monitor.system import peak_memory_bytes
 from distrain.monitor.window import LogWindow
 from distrain.parallelism.base import Strategy
+from distrain.trackers.reporter import RunReporter
+from distrain.trainer.agreement import AgreementTimeout, PeerFailedError, StepAgreement, Verdict
+from distrain.trainer.faults import maybe_inject_delay, maybe_inject_fault
 
 log = logging.getLogger(__name__)
 

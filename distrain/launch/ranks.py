@@ -22,7 +22,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from distrain.fork_server import restore_stop_signals, start_fork_server
+from distrain.launch.fork_server import restore_stop_signals, start_fork_server
 
 __all__ = [
     "ChildFailedError",
@@ -173,7 +173,8 @@ def run_ranks(
     after ``max_restarts`` restarts, raises ``ChildFailedError`` carrying the failing rank's traceback.
 
     ``start_method``: ``spawn`` (a fresh interpreter per rank; required once CUDA may be initialised) or
-    ``forkserver`` (ranks fork from one server process that imported ``distrain.rank`` and the entrypoint's module
+    ``forkserver`` (ranks fork from one server process that imported ``distrain.trainer.rank`` and the entrypoint's
+    module
     once, which saves seconds per rank on CPU). Never ``fork`` from here: the agent's rendezvous store serves from a
     thread of this process while ranks start, and a child forked while a thread holds a lock can hang or crash.
 

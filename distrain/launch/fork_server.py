@@ -2,9 +2,9 @@
 
 Ranks are not forked from the launcher itself: its elastic agent serves the rendezvous store from a thread while
 ranks start, and a child forked while another thread holds a lock can hang or crash. The fork server is a fresh
-single-threaded interpreter that imports ``distrain.rank`` once, so each rank starts in milliseconds.
+single-threaded interpreter that imports ``distrain.trainer.rank`` once, so each rank starts in milliseconds.
 
-The server also imports ``distrain.fork_server_signals``, which makes it ignore the stop signals a scheduler may
+The server also imports ``distrain.launch.fork_server_signals``, which makes it ignore the stop signals a scheduler may
 send to every process of a job (SLURM's ``--signal`` and ``scancel --signal``, ``timeout``, a process-group kill):
 killed, the server would take its children's exit-status pipes with it, and the launcher would take live ranks,
 still saving a checkpoint, for dead ones. It still exits by itself when the launcher does. Each rank restores the
@@ -34,7 +34,7 @@ def restore_stop_signals() -> None:
 
 
 def start_fork_server(entrypoint: Callable[..., Any]) -> None:
-    """Start the server ranks fork from, importing this module, ``distrain.rank`` and ``entrypoint``'s module.
+    """Start the server ranks fork from, importing this module, ``distrain.trainer.rank`` and ``entrypoint``'s module.
 
     Once per process while the environment stays as it is: the server and its ranks keep the environment it started
     with, so a later call with another environment (the next job of a multirun run in this process, with its own
@@ -44,7 +44,7 @@ def start_fork_server(entrypoint: Callable[..., Any]) -> None:
     environment = dict(os.environ)
     if _started_with is not None and _started_with != environment:
         forkserver._forkserver._stop()
-    modules = ["distrain.fork_server_signals", "distrain.rank", entrypoint.__module__]
+    modules = ["distrain.launch.fork_server_signals", "distrain.trainer.rank", entrypoint.__module__]
     multiprocessing.set_forkserver_preload(list(dict.fromkeys(modules)))
     forkserver.ensure_running()
     _started_with = environment

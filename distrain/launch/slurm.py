@@ -11,7 +11,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from distrain.validate import ConfigError
+from distrain.config.validate import ConfigError
 
 
 def slurm_partitions() -> dict[str, dict[str, Any]]:

@@ -4,7 +4,7 @@ In this one process, for the target's world size and device type: the same ``val
 (degrees, divisibility, schedules, precision, every key), then a fake process group of the target's world size
 (torch's ``fake`` backend: collectives return at once) under which the strategy's own functions build the device
 mesh and split and shard the model on the meta device; the corpus is loaded and the global batch checked against
-it as the samplers do. Then each kind of rank's predicted memory (``distrain.parallelism.planning``) is set against
+it as the samplers do. Then each kind of rank's predicted memory (``distrain.planning.rank_memory``) is set against
 the target's device memory. Nothing is allocated for the model, so a 70B plan runs on a laptop in seconds.
 
 Collectives: none that communicate (the fake backend's).
@@ -24,14 +24,14 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from distrain.dist import resolve_device_type
-from distrain.launch import default_nproc_per_node
+from distrain.config.validate import ConfigError, Target, data_parallel_degree, validate, validate_data_fits
+from distrain.launch.process_group import resolve_device_type
+from distrain.launch.ranks import default_nproc_per_node
 from distrain.parallelism.describe import degree_items, mesh_line
 from distrain.parallelism.hybrid import MeshDegrees
-from distrain.parallelism.memory import optimizer_state_bytes_per_param
-from distrain.parallelism.planning import RankMemory, Workload, mesh_degrees, predict_rank_memory
 from distrain.parallelism.recompute import apply_activation_checkpointing
-from distrain.validate import ConfigError, Target, data_parallel_degree, validate, validate_data_fits
+from distrain.planning.memory import optimizer_state_bytes_per_param
+from distrain.planning.rank_memory import RankMemory, Workload, mesh_degrees, predict_rank_memory
 
 GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 80.0  # a cuda target without a GPU here: an 80 GB A100/H100

@@ -1,7 +1,7 @@
 """Graceful stop on SIGTERM / SIGUSR1 / SIGUSR2 (SLURM sends one before a time limit or preemption) and SIGINT
 (Ctrl-C in a terminal reaches every process of the run; the launcher forwards it too).
 
-The handler only records the signal; at the next step boundary all ranks agree (``distrain.agreement``: a signal
+The handler only records the signal; at the next step boundary all ranks agree (``distrain.trainer.agreement``: a signal
 seen by any rank stops every rank at the same step), save a checkpoint and return. The job then exits with
 ``REQUEUE_EXIT_CODE`` so a scheduler or wrapper can requeue it with ``checkpoint.resume=auto``.
 """

@@ -6,7 +6,7 @@ target size. That needs a process group of the target's world size: the caller r
 group (``dry_run.py``), whose collectives do nothing. What each rank then holds gives its parameters (the local
 shard's storage, FSDP's padding included); gradients take the same bytes and optimizer state
 ``optimizer_bytes`` per local element. DeepSpeed cannot be built this way, so ZeRO uses the formulas of
-``distrain.parallelism.memory.predicted_model_state``.
+``distrain.planning.memory.predicted_model_state``.
 
 Activations are the bytes autograd saves in one forward of this rank's modules on a micro-batch of the configured
 shape (``saved_activation_bytes``, also on the meta device, tensor-parallel shards as they are), times the pipeline
@@ -18,7 +18,7 @@ Context parallelism (``parallelism.cp``) shards the model over dp x cp (the mesh
 and its activations are measured on the local seq_len / cp tokens with the all-gather attention running on meta
 tensors; expert parallelism (``parallelism.ep``) holds n_experts / ep experts whole (measured from the held model)
 and estimates its activations from the model without EP under balanced routing. Both are described, with what they
-assume, in ``distrain.parallelism.planning_layouts``.
+assume, in ``distrain.planning.context_expert``.
 
 Not predicted: the allocator's fragmentation, communication buffers, the CUDA context and kernels' workspace.
 """
@@ -35,12 +35,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from distrain.models.spec import spec_of
 from distrain.parallelism.ddp import DDPStrategy
 from distrain.parallelism.hybrid import MeshDegrees, _ComposedModel, _ComposedPipeline, build_mesh, compose
-from distrain.parallelism.memory import local, predicted_model_state
 from distrain.parallelism.pipeline import PipelineStrategy, rank_stages, split_stages
-from distrain.parallelism.planning_layouts import not_gathered, whole_model_activations
 from distrain.parallelism.recompute import apply_activation_checkpointing, saved_activation_bytes
 from distrain.parallelism.single import SingleProcessStrategy
 from distrain.parallelism.zero import ZeroStrategy
+from distrain.planning.context_expert import not_gathered, whole_model_activations
+from distrain.planning.memory import local, predicted_model_state
 from distrain.precision.policy import PrecisionPolicy
 
 ModelFactory = Callable[[], nn.Module]  # builds the model with activation checkpointing applied, on any device

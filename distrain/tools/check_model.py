@@ -1,4 +1,4 @@
-"""Check a model under every layout: ``python -m distrain.check_model model=llama_tiny [override ...]``.
+"""Check a model under every layout: ``python -m distrain.tools.check_model model=llama_tiny [override ...]``.
 
 Trains the configured model for a few steps (fp32, the same global batch and seed) in one process and then under
 each parallel layout, each run a real ``train.py`` with its own ranks, and prints one row per layout: the loss
@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from distrain.config import register_configs
-from distrain.config_checks import ConfigError
+from distrain.config.checks import ConfigError
+from distrain.config.overrides import composition_error
+from distrain.config.schema import register_configs
 from distrain.errors import first_line
-from distrain.overrides import composition_error
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Keys the check sets for every layout; a user override of one would be silently replaced.
 OWNED = (
     "parallelism", "stage", "precision", "distributed.nproc_per_node", "data.micro_batch_size",
@@ -118,8 +118,8 @@ def layout_overrides(layout: Layout, steps: int, user: list[str]) -> list[str]:
 
 def refusal(overrides: list[str]) -> str | None:
     """Why validation refuses this run before any rank starts (None: it would start)."""
+    from distrain.config.validate import validate
     from distrain.optim.checks import unapplied_clipping
-    from distrain.validate import validate
 
     register_configs()
     try:
@@ -225,7 +225,7 @@ def argument_problem(args: argparse.Namespace, chosen: list[str], user: list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distrain.check_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m distrain.tools.check_model", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per layout (default 6)")
     parser.add_argument("--tolerance", type=float, default=1e-3, help="largest allowed |loss difference|")
     parser.add_argument("--layouts", default=",".join(layout.name for layout in LAYOUTS), help="comma-separated")

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distrain.dist import PeerFailedError, is_peer_failure
 from distrain.errors import UnresponsiveRankError
-from distrain.preemption import StopRequest
+from distrain.launch.process_group import PeerFailedError, is_peer_failure
+from distrain.trainer.preemption import StopRequest
 
 __all__ = ["AgreementTimeout", "PeerFailedError", "StepAgreement", "Verdict"]
 

@@ -1,6 +1,6 @@
 """One rank's work: join the process group, build every component, resume, train, report.
 
-``build_and_train`` is what the launcher (``distrain.launch.run_ranks``) starts in every rank process; it lives in
+``build_and_train`` is what the launcher (``distrain.launch.ranks.run_ranks``) starts in every rank process; it lives in
 the package, not in ``train.py``, so spawned ranks import it by name.
 """
 
@@ -18,18 +18,24 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from distrain.agreement import StepAgreement
-from distrain.build import RankRun, build
 from distrain.checkpoint.checkpointer import Checkpointer
-from distrain.dist import DistEnv, configure_logging, init_distributed, is_peer_failure, shutdown_distributed
 from distrain.errors import RunError
-from distrain.launch import resume_setting
-from distrain.loop import TrainState, loop_state, restore_loop_state, train
+from distrain.launch.process_group import (
+    DistEnv,
+    configure_logging,
+    init_distributed,
+    is_peer_failure,
+    shutdown_distributed,
+)
+from distrain.launch.ranks import resume_setting
 from distrain.monitor.profiler import StepProfiler
 from distrain.parallelism.compile import compile_report
 from distrain.parallelism.describe import layout_description
-from distrain.parallelism.memory import predicted_state_for_summary
-from distrain.preemption import StopRequest
+from distrain.planning.memory import predicted_state_for_summary
+from distrain.trainer.agreement import StepAgreement
+from distrain.trainer.build import RankRun, build
+from distrain.trainer.loop import TrainState, loop_state, restore_loop_state, train
+from distrain.trainer.preemption import StopRequest
 
 PEER_FAILURE_GRACE_S = 5.0
 RUN_ERROR_FILE = "run_error_rank{rank}.txt"  # in the run directory: a RunError the rank raised, for the report
@@ -93,7 +99,8 @@ def resume(run: RankRun, state: TrainState) -> str | None:
 
 def train_run(cfg: DictConfig, env: DistEnv, run: RankRun, state: TrainState, run_dir: str) -> dict[str, Any]:
     """The training loop under the stop-signal handler and the profiler; returns the summary. Collective
-    throughout: every step's gradient exchange and agreement, evaluation, checkpoints (``distrain.loop.train``)."""
+    throughout: every step's gradient exchange and agreement, evaluation, checkpoints
+    (``distrain.trainer.loop.train``)."""
     stop = StopRequest().install()
     agreement = StepAgreement(
         stop=stop, timeout_s=cfg.distributed.timeout_s, failure_timeout_s=run.checkpointer.emergency_timeout_s

@@ -14,8 +14,8 @@ import yaml
 
 from distrain.artifacts.outputs import check_writable
 from distrain.errors import ArtifactError
-from distrain.logger.reporter import strict_json
-from distrain.logger.trackers import TrackedRun, TrackerSetupError, numeric_metrics, require_package
+from distrain.trackers.base import TrackedRun, TrackerSetupError, numeric_metrics, require_package
+from distrain.trackers.reporter import strict_json
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from distrain.artifacts.run_directory import is_metrics_record
 from distrain.errors import RunError, first_line
-from distrain.logger.console import step_line, summary_table
-from distrain.logger.trackers import TrackedRun, Tracker, numeric_metrics
+from distrain.trackers.base import TrackedRun, Tracker, numeric_metrics
+from distrain.trackers.console import step_line, summary_table
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import yaml
 
 from distrain.artifacts.outputs import check_writable
 from distrain.errors import ArtifactError
-from distrain.logger.trackers import TrackedRun, TrackerSetupError, numeric_metrics, require_package
+from distrain.trackers.base import TrackedRun, TrackerSetupError, numeric_metrics, require_package
 
 log = logging.getLogger(__name__)
 

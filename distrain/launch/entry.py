@@ -1,5 +1,5 @@
 """What ``train.py`` does with a composed config: validate it, prepare the checkpoint directory, start the ranks
-(``distrain.rank.build_and_train`` on each) and report how they ended; or, with ``dry_run=true``, plan memory.
+(``distrain.trainer.rank.build_and_train`` on each) and report how they ended; or, with ``dry_run=true``, plan memory.
 
 Everything here runs in the launching process, before or after the ranks (under torchrun or a multi-task SLURM job
 the launching process is itself one rank, and ``run_ranks`` runs its ``build_and_train`` in place).
@@ -23,9 +23,11 @@ from distrain.artifacts.outputs import check_writable
 from distrain.artifacts.run_directory import inspect_run_directory
 from distrain.checkpoint.checkpointer import checkpoint_step
 from distrain.checkpoint.preflight import prepare_checkpoint_dir
-from distrain.config import register_configs
+from distrain.config.overrides import composition_error, plain_overrides, quote_group_options
+from distrain.config.schema import register_configs
+from distrain.config.validate import ConfigError, LaunchPlan, absolute_paths, validate
 from distrain.errors import ArtifactError, RunError, run_error_line
-from distrain.launch import (
+from distrain.launch.ranks import (
     ChildFailedError,
     adopt_slurm_tasks,
     in_slurm_job,
@@ -36,10 +38,8 @@ from distrain.launch import (
     run_ranks,
     slurm_restart_count,
 )
-from distrain.overrides import composition_error, plain_overrides, quote_group_options
-from distrain.preemption import REQUEUE_EXIT_CODE
-from distrain.rank import RUN_ERROR_FILE, build_and_train
-from distrain.validate import ConfigError, LaunchPlan, absolute_paths, validate
+from distrain.trainer.preemption import REQUEUE_EXIT_CODE
+from distrain.trainer.rank import RUN_ERROR_FILE, build_and_train
 
 register_configs()
 # conf/hydra/launcher/submitit_slurm.yaml gives the plugin's launcher our defaults and is checked against its schema
@@ -145,7 +145,7 @@ def resume_override(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: str, checkp
 
 def plan_only(cfg: DictConfig, output_dir: str) -> None:
     """``dry_run=true``: print and save the memory plan; exit 1 when a rank does not fit, 2 for a bad config."""
-    from distrain import dry_run  # the planner's imports (DTensor, pipelining) only when planning
+    from distrain.planning import dry_run  # the planner's imports (DTensor, pipelining) only when planning
 
     try:
         report = dry_run.plan(cfg)

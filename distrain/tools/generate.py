@@ -1,6 +1,6 @@
 """Sample text from a checkpoint, decoded with the tokenizer the run's data was made with.
 
-    python -m distrain.generate outputs/.../checkpoints/step_00000200 --prompt "def main(" --max-new-tokens 200
+    python -m distrain.tools.generate outputs/.../checkpoints/step_00000200 --prompt "def main(" --max-new-tokens 200
 
 CHECKPOINT may also be a run directory (or its ``checkpoints/``): its newest complete checkpoint is used. Runs in
 one process on the CPU (or ``--device cuda``), without a process group: the checkpoint's model is rebuilt
@@ -27,7 +27,7 @@ from distrain.artifacts.checkpoint import Checkpoint, inspect_checkpoint
 from distrain.artifacts.hf_directory import read_config
 from distrain.artifacts.tokenizer import inspect_tokenizer
 from distrain.checkpoint.export import consolidated_model_state
-from distrain.config import register_configs
+from distrain.config.schema import register_configs
 
 
 class ByteTokenizer:
@@ -132,7 +132,7 @@ def load_model(checkpoint: Path | Checkpoint, device: str) -> tuple[torch.nn.Mod
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distrain.generate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m distrain.tools.generate", description=__doc__.split("\n")[0])
     parser.add_argument(
         "checkpoint", type=Path, help="a step_* checkpoint directory, or a run directory (its newest checkpoint)"
     )

@@ -21,20 +21,16 @@ from distrain.artifacts.outputs import check_writable
 from distrain.artifacts.token_dataset import inspect_token_dataset
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.comm.checks import validate_comm
-from distrain.config_checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
+from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.data.corpus import CorpusTooSmall
 from distrain.data.sampler import GlobalBatchSampler, longest_window, token_windows
 from distrain.data.token_format import DataError
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
-from distrain.dist import resolve_device_type
 from distrain.errors import ArtifactError
-from distrain.launch import default_nproc_per_node, inside_launcher
-from distrain.logger.mlflow_tracker import absolute_tracking_uri
-from distrain.logger.trackers import TrackerSetupError
+from distrain.launch.process_group import resolve_device_type
+from distrain.launch.ranks import default_nproc_per_node, inside_launcher
 from distrain.optim.checks import validate_optimizer
-from distrain.parallelism.compile import backend_problem
-from distrain.precision.policy import autocast_supported
-from distrain.validate_parallelism import (
+from distrain.parallelism.checks import (
     adopt_renamed_keys,
     hybrid_degrees,
     is_mesh_layout,
@@ -44,6 +40,10 @@ from distrain.validate_parallelism import (
     validate_hybrid,
     validate_sharding,
 )
+from distrain.parallelism.compile import backend_problem
+from distrain.precision.policy import autocast_supported
+from distrain.trackers.base import TrackerSetupError
+from distrain.trackers.mlflow_tracker import absolute_tracking_uri
 
 log = logging.getLogger(__name__)
 

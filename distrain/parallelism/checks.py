@@ -1,6 +1,6 @@
 """Checks of the parallelism options against the world size, the model and each other (comm: distrain.comm.checks).
 
-Called by ``distrain.validate.validate`` once the world size is known (the job's, or a dry run's target).
+Called by ``distrain.config.validate.validate`` once the world size is known (the job's, or a dry run's target).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from distrain.config_checks import ConfigError, at_least, check
+from distrain.config.checks import ConfigError, at_least, check
 from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
 
 if TYPE_CHECKING:

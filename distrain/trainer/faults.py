@@ -14,7 +14,7 @@ import os
 import signal
 import time
 
-from distrain.launch import restarted_attempt
+from distrain.launch.ranks import restarted_attempt
 
 ENV_VAR = "DISTRAIN_INJECT_FAULT"
 DELAY_ENV_VAR = "DISTRAIN_INJECT_DELAY"

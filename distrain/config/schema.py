@@ -13,7 +13,6 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from distrain.choices import choices
 from distrain.comm.config import (
     CastCommConfig,
     DDPCommConfig,
@@ -21,6 +20,7 @@ from distrain.comm.config import (
     PowerSGDCommConfig,
     TopKCommConfig,
 )
+from distrain.config.choices import choices
 from distrain.data.config import StdlibDataConfig, SyntheticDataConfig, TokensDataConfig
 from distrain.models.gpt.config import GPTConfig
 from distrain.models.hf.config import HFConfig
@@ -165,7 +165,7 @@ class CheckpointConfig:
 class JsonlTrackerConfig:
     """Also append every record, tagged with the run's name, to one shared JSON-lines file."""
 
-    _target_: str = "distrain.logger.trackers.JsonlTracker"
+    _target_: str = "distrain.trackers.base.JsonlTracker"
     path: str = "runs.jsonl"  # relative to the directory train.py was started from
 
 
@@ -173,7 +173,7 @@ class JsonlTrackerConfig:
 class WandbTrackerConfig:
     """Weights & Biases: one run per training job (rank 0), offline when no credentials are found."""
 
-    _target_: str = "distrain.logger.trackers.WandbTracker"
+    _target_: str = "distrain.trackers.base.WandbTracker"
     project: str = "distrain"
     entity: str | None = None
     group: str | None = None  # None: the multirun sweep, or the SLURM job, this run belongs to
@@ -186,7 +186,7 @@ class WandbTrackerConfig:
 class TensorBoardTrackerConfig:
     """TensorBoard event files, written by rank 0: ``tensorboard --logdir <run dir>/tensorboard``."""
 
-    _target_: str = "distrain.logger.tensorboard_tracker.TensorBoardTracker"
+    _target_: str = "distrain.trackers.tensorboard_tracker.TensorBoardTracker"
     dir: str | None = None  # None: <run dir>/tensorboard; else <dir>/<run name>, so many runs share one logdir
 
 
@@ -194,7 +194,7 @@ class TensorBoardTrackerConfig:
 class MlflowTrackerConfig:
     """MLflow: one run per training job (rank 0) with params, metrics, and config and summary artifacts."""
 
-    _target_: str = "distrain.logger.mlflow_tracker.MlflowTracker"
+    _target_: str = "distrain.trackers.mlflow_tracker.MlflowTracker"
     tracking_uri: str | None = None  # None: sqlite:///<run dir>/mlflow.db; else sqlite:///..., http(s)://..., a path
     experiment_name: str = "distrain"
     run_name: str | None = None  # None: the run directory's name under outputs/ or multirun/

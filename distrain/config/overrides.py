@@ -21,10 +21,10 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from distrain.config import SCHEMAS, register_configs
-from distrain.config_checks import as_typed
+from distrain.config.checks import as_typed
+from distrain.config.schema import SCHEMAS, register_configs
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def plain_overrides(argv: list[str]) -> list[str] | None:
@@ -55,7 +55,7 @@ def quote_group_options(argv: list[str], config_dir: Path = CONF_DIR) -> list[st
 
 def _as_typed(value: str) -> str:
     """An override's value as a refusal shows it: as Hydra reads it, shown like every refusal's value
-    (``distrain.config_checks.as_typed``: ``2``, ``true``, ``null``, ``'abc'``)."""
+    (``distrain.config.checks.as_typed``: ``2``, ``true``, ``null``, ``'abc'``)."""
     return as_typed(_hydra_value(value))
 
 
