@@ -26,9 +26,11 @@ from distrain.checkpoint.checkpointer import (
 )
 from distrain.checkpoint.lock import CheckpointDirLock
 from distrain.config.checks import ConfigError, as_typed
+from distrain.parallelism.capabilities import capabilities_of
 
 log = logging.getLogger("distrain.train")
 # Optimizer settings a checkpoint's optimizer state carries (per parameter group): a resumed run keeps the saved ones.
+FORMAT_NAMES = {"deepspeed": "DeepSpeed's format (parallelism=zero)", "dcp": "DCP's format"}
 RESTORED_OPTIMIZER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "nesterov")
 
 
@@ -87,7 +89,7 @@ def pipeline_layout(parallelism: DictConfig, world_size: int) -> tuple[int, int,
     split points), or None when it has no pipeline. What a pipeline checkpoint's per-stage optimizer state needs."""
     from distrain.parallelism.hybrid import MeshDegrees
 
-    pp = parallelism.get("pp", -1 if parallelism.name == "pipeline" else 1)  # older configs: pipeline had no pp
+    pp = parallelism.get("pp", 1)
     if pp == -1:
         try:
             pp = MeshDegrees.resolve(
@@ -168,8 +170,9 @@ def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
             ", ".join(changed),
             checkpoint,
         )
-    if (saved.parallelism.name == "zero") != (cfg.parallelism.name == "zero"):
-        formats = "DeepSpeed's format (parallelism=zero)" if saved.parallelism.name == "zero" else "DCP's format"
+    saved_format = capabilities_of(saved.parallelism).checkpoint_format
+    if saved_format != capabilities_of(cfg.parallelism).checkpoint_format:
+        formats = FORMAT_NAMES.get(saved_format, f"the {saved_format} format")
         raise ConfigError("parallelism", cfg.parallelism.name, f"a strategy that reads {formats}, {where}")
     saved_ranks = checkpoint_world_size(checkpoint) or world_size
     saved_stages, stages = pipeline_layout(saved.parallelism, saved_ranks), pipeline_layout(cfg.parallelism, world_size)

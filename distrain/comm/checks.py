@@ -5,6 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from distrain.config.checks import ConfigError, at_least, check, positive
+from distrain.parallelism.capabilities import capabilities_of
 
 ADAPTIVE_OPTIMIZERS = (".adamw",)  # optimizer targets that normalise each entry by its own history
 
@@ -13,7 +14,7 @@ def validate_comm(cfg: DictConfig, world_size: int) -> list[str]:
     """Refuse impossible ``comm`` settings in one line (ConfigError); return warnings for combinations that run
     but are known to train worse (one line each)."""
     comm = cfg.comm
-    if comm.name != "default" and cfg.parallelism.name != "ddp":
+    if comm.name != "default" and not capabilities_of(cfg.parallelism).comm_hooks:
         raise ConfigError(
             "comm",
             comm.name,
@@ -60,14 +61,18 @@ def _validate_topk(cfg: DictConfig) -> list[str]:
             "optimizer's momentum into the compressor)",
         )
     check(cfg, "comm.sync_every", at_least(0), "an integer >= 0 (0: the residual is never sent whole)")
-    if comm.feedback in ("update", "estimate") and cfg.precision.get("grad_scaler") and cfg.precision.name != "fp16":
+    if (
+        comm.feedback in ("update", "estimate")
+        and cfg.precision.get("grad_scaler")
+        and cfg.precision.compute_dtype != "float16"
+    ):
         raise ConfigError(
             "precision.grad_scaler",
             True,
             f"false with comm=topk comm.feedback={comm.feedback} (a loss scaler skips steps and rescales what the "
             "feedback holds), or comm.feedback=residual",
         )
-    if comm.feedback in ("update", "estimate") and cfg.precision.name == "fp16":
+    if comm.feedback in ("update", "estimate") and cfg.precision.compute_dtype == "float16":
         held = {
             "update": "each rank's loss scale would skip its own steps",
             "estimate": "estimates hold loss-scaled gradients, and the scale changes",

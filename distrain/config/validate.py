@@ -30,6 +30,7 @@ from distrain.errors import ArtifactError
 from distrain.launch.process_group import resolve_device_type
 from distrain.launch.ranks import default_nproc_per_node, inside_launcher
 from distrain.optim.checks import validate_optimizer
+from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.checks import (
     adopt_renamed_keys,
     hybrid_degrees,
@@ -158,10 +159,10 @@ def _ranks_per_node(cfg: DictConfig, target: Target | None, device_type: str) ->
     nproc = cfg.distributed.nproc_per_node
     if target:
         nproc = target.ranks_per_node
-        if cfg.parallelism.name == "single" and target.world_size > 1:
+        if capabilities_of(cfg.parallelism).one_rank and target.world_size > 1:
             key, value = ("target.nodes", target.nodes) if target.nodes > 1 else (target.ranks_key, nproc)
             raise ConfigError(key, value, "parallelism=single runs one rank; use parallelism=ddp for more")
-    elif cfg.parallelism.name == "single":
+    elif capabilities_of(cfg.parallelism).one_rank:
         if nproc not in (None, 1) or (inside_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1):
             raise ConfigError(
                 "distributed.nproc_per_node",
@@ -183,8 +184,12 @@ def _validate_training(cfg: DictConfig) -> None:
     check(cfg, "trainer.eval_every", at_least(0), "an integer >= 0 (0: only at the end)")
     check(cfg, "trainer.grad_clip_norm", at_least(0), "a number >= 0 (0: no clipping)")
     check(cfg, "trainer.overfit_batches", at_least(0), "an integer >= 0 (0: the whole dataset)")
-    if cfg.trainer.on_nonfinite == "skip" and cfg.parallelism.name == "zero":
-        raise ConfigError("trainer.on_nonfinite", "skip", "stop with parallelism=zero (DeepSpeed applies every step)")
+    if cfg.trainer.on_nonfinite == "skip" and not capabilities_of(cfg.parallelism).can_skip_step:
+        raise ConfigError(
+            "trainer.on_nonfinite",
+            "skip",
+            f"stop with parallelism={cfg.parallelism.name} (it applies every step; it cannot skip one)",
+        )
 
     if "momentum" in cfg.optimizer:
         check(cfg, "optimizer.momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
@@ -255,15 +260,17 @@ def _validate_checkpoint(cfg: DictConfig, world_size: int) -> None:
     if problem:
         raise ConfigError("checkpoint.resume", resume, f"never, auto, or a valid step_* checkpoint ({problem})")
     check(cfg, "checkpoint.emergency_timeout_s", positive, "a number of seconds > 0")
-    if cfg.checkpoint.async_save and cfg.parallelism.name == "zero":
-        raise ConfigError("checkpoint.async_save", True, "false with parallelism=zero (DeepSpeed saves synchronously)")
+    strategy = capabilities_of(cfg.parallelism)
+    if cfg.checkpoint.async_save and not strategy.async_save:
+        allowed = f"false with parallelism={cfg.parallelism.name} (its saves are synchronous)"
+        raise ConfigError("checkpoint.async_save", True, allowed)
     saved_world_size = None if resume in ("never", "auto") else checkpoint_world_size(Path(resume))
-    if cfg.parallelism.name == "zero" and saved_world_size not in (None, world_size):
+    if not strategy.reshards_on_resume and saved_world_size not in (None, world_size):
         raise ConfigError(
             "checkpoint.resume",
             resume,
-            f"a zero checkpoint saved by {world_size} ranks (it was saved by {saved_world_size}; ddp and fsdp "
-            "checkpoints reshard, zero ones do not)",
+            f"a {cfg.parallelism.name} checkpoint saved by {world_size} ranks (it was saved by {saved_world_size}; "
+            f"ddp and fsdp checkpoints reshard, {cfg.parallelism.name} ones do not)",
         )
 
 

@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.optim.groups import GroupRuleError, GroupRules, resolve
 from distrain.optim.schedule import decay_steps
+from distrain.parallelism.capabilities import capabilities_of
 
 
 def rules_of(optimizer: DictConfig) -> GroupRules:
@@ -71,7 +72,8 @@ def unapplied_clipping(cfg: DictConfig) -> str | None:
     by that factor (val 2.396 after 60 steps against 2.297 for distrain's Muon under ddp, measured side by side).
     Under ``parallelism=zero`` with Muon distrain therefore gives DeepSpeed no clipping (val 2.320, as ddp without
     clipping)."""
-    if "muon" in cfg.optimizer and cfg.parallelism.name == "zero" and cfg.trainer.grad_clip_norm > 0:
+    deepspeed = capabilities_of(cfg.parallelism).deepspeed_optimizer
+    if "muon" in cfg.optimizer and deepspeed and cfg.trainer.grad_clip_norm > 0:
         return (
             f"trainer.grad_clip_norm={cfg.trainer.grad_clip_norm} is not applied with optimizer=muon "
             "parallelism=zero: DeepSpeed's Muon would clip its orthogonalised updates, not the gradients "
@@ -99,7 +101,7 @@ def validate_optimizer(cfg: DictConfig, model: object | None) -> list[str]:
                 "false with optimizer=muon (Muon gathers its sharded matrices over the device's process group; "
                 "offloaded shards live in CPU memory)",
             )
-        if cfg.parallelism.name == "zero":
+        if capabilities_of(cfg.parallelism).deepspeed_optimizer:
             _validate_deepspeed_muon(cfg)
     validate_schedule(cfg)
     notes = [note] if (note := unapplied_clipping(cfg)) else []

@@ -33,6 +33,7 @@ from distrain.launch.process_group import DistEnv
 from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
 from distrain.optim.groups import base_lr
+from distrain.parallelism.capabilities import Capabilities
 from distrain.planning.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
 from distrain.trainer.faults import maybe_inject_fault
@@ -213,6 +214,7 @@ class LocalBackwardStrategy:
     """
 
     name = "local"
+    capabilities = Capabilities()
     updating = False
     compile_unsupported: str | None = None
 

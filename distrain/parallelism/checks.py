@@ -15,6 +15,7 @@ from torch import nn
 
 from distrain.config.checks import ConfigError, at_least, check
 from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
+from distrain.parallelism.capabilities import capabilities_of
 
 if TYPE_CHECKING:
     from distrain.parallelism.hybrid import MeshDegrees
@@ -68,8 +69,8 @@ def adopt_renamed_keys(cfg: DictConfig) -> list[str]:
 def sharding_stages(cfg: DictConfig) -> tuple[int, ...]:
     """The stages the parallelism option takes: none unless it shards (ZeRO, or a mesh layout whose dp axis is not
     fixed at 1)."""
-    if cfg.parallelism.name == "zero":
-        return ZERO_STAGES
+    if stages := capabilities_of(cfg.parallelism).zero_stages:
+        return stages
     if is_mesh_layout(cfg) and cfg.parallelism.dp != 1:
         return FSDP_STAGES
     return ()
@@ -261,7 +262,7 @@ def hybrid_degrees(
 def single_copy_note(cfg: DictConfig, world_size: int, ranks_per_node: int | None) -> str | None:
     """One line when ``parallelism=hsdp`` (one copy per node) runs on one node whose ranks could hold two copies:
     it resolves to one copy, sharded over every dp rank, which is what ``parallelism=fsdp`` does."""
-    if cfg.parallelism.name != "hsdp" or cfg.parallelism.dp_replicate != -1:
+    if not is_mesh_layout(cfg) or cfg.parallelism.get("dp_replicate") != -1:  # -1: one copy per node
         return None
     if ranks_per_node is None or ranks_per_node < world_size:  # several nodes: a copy per node, as asked
         return None

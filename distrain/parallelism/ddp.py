@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distrain.checkpoint.checkpointer import checkpoint_world_size
 from distrain.checkpoint.data_only import load_dcp_metadata
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
+from distrain.parallelism.capabilities import Capabilities
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ class DDPStrategy(LocalBackwardStrategy):
     sends nothing; instead one all-reduce of a scalar (the clipping norm) after backward, and after the optimizer
     step the exchange of updates (``distrain.comm.topk_update``).
     """
+
+    capabilities = Capabilities(comm_hooks=True, memory_formula="ddp")
 
     def __init__(self, *, name: str = "ddp", find_unused_parameters: bool) -> None:
         self.name = name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.hybrid import MeshDegrees
 
 
@@ -30,8 +31,8 @@ def describe_degrees(mesh: MeshDegrees) -> str:
 def layout_description(parallelism: DictConfig, strategy: object) -> str:
     """The layout as the run summary states it: ``ddp``, ``zero stage 2``, ``hsdp (dp_replicate 2 x dp 2, fsdp
     stage 3)``, ``hybrid (dp 2 x tp 2, dp replicated)``. ``strategy``'s degrees are resolved at its setup."""
-    if parallelism.name == "zero":
-        return f"zero stage {parallelism.stage}"
+    if capabilities_of(parallelism).zero_stages:
+        return f"{parallelism.name} stage {parallelism.stage}"
     degrees = getattr(strategy, "degrees", None)
     if not isinstance(degrees, MeshDegrees):  # ddp, single: no mesh
         return parallelism.name

@@ -46,6 +46,7 @@ from distrain.parallelism.base import (
     StrategyContext,
     clip_grad_norm_across_meshes,
 )
+from distrain.parallelism.capabilities import Capabilities
 from distrain.parallelism.context import ContextParallel, shard_sequence
 from distrain.parallelism.fsdp import shard_blocks_and_root
 from distrain.parallelism.pipeline import PipelineStrategy
@@ -292,6 +293,9 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
             activation_checkpointing=activation_checkpointing,
         )
     return _ComposedModel(layout, name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+HybridStrategy.capabilities = Capabilities()  # the defaults: any ranks, DCP checkpoints that reshard
 
 
 class _ComposedModel(LocalBackwardStrategy):

@@ -29,6 +29,7 @@ from distrain.optim.deepspeed_muon import deepspeed_muon
 from distrain.optim.groups import base_lr
 from distrain.optim.muon import Muon
 from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext
+from distrain.parallelism.capabilities import Capabilities
 from distrain.planning.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
 from distrain.trainer.faults import maybe_inject_fault
 
@@ -74,6 +75,16 @@ class ZeroStrategy:
 
     Args mirror DeepSpeed's ``zero_optimization`` section (see conf/parallelism/zero.yaml).
     """
+
+    capabilities = Capabilities(
+        checkpoint_format="deepspeed",
+        reshards_on_resume=False,
+        async_save=False,
+        can_skip_step=False,
+        zero_stages=(1, 2, 3),
+        deepspeed_optimizer=True,
+        memory_formula="zero",
+    )
 
     updating = False
     compile_unsupported = (

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from distrain.config.validate import ConfigError, Target, data_parallel_degree, validate, validate_data_fits
 from distrain.launch.process_group import resolve_device_type
 from distrain.launch.ranks import default_nproc_per_node
+from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.describe import degree_items, mesh_line
 from distrain.parallelism.hybrid import MeshDegrees
 from distrain.parallelism.recompute import apply_activation_checkpointing
@@ -132,7 +133,7 @@ def resolve_target(cfg: DictConfig) -> Target:
     if ranks is None:
         gpus_here = torch.cuda.device_count() if device_type == "cuda" else 0
         ranks = gpus_here or (DEFAULT_GPUS_PER_NODE if device_type == "cuda" else default_nproc_per_node("cpu"))
-        if cfg.parallelism.name == "single":
+        if capabilities_of(cfg.parallelism).one_rank:
             ranks = 1
     if ranks < 1:  # worded as validate() words it, so that a dry run and the real launch refuse alike
         raise ConfigError(key, ranks, "an integer >= 1 (or null: automatic)")

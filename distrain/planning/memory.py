@@ -14,6 +14,8 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distrain.parallelism.capabilities import declared
+
 
 @dataclass(frozen=True)
 class ModelStateBytes:
@@ -164,10 +166,10 @@ def formula_layout(cfg: DictConfig, strategy: object, world_size: int) -> tuple[
     """The ZeRO formulas' name for a data-parallel layout, the ranks it shards (or replicates) over and its stage:
     ``fsdp`` over the resolved dp of a mesh layout with no model-parallel axis (its replicas hold copies), ``ddp``
     for its replicate mode; None for model-parallel layouts, which ``dry_run=true`` plans."""
-    name = cfg.parallelism.name
     degrees = getattr(strategy, "degrees", None)  # a mesh layout's, resolved at setup
     if degrees is None:
-        return (name, world_size, cfg.parallelism.get("stage")) if name in ("single", "ddp", "zero") else None
+        formula = declared(strategy).memory_formula
+        return (formula, world_size, cfg.parallelism.get("stage")) if formula else None
     if degrees.tp * degrees.pp * degrees.cp * degrees.ep > 1:
         return None
     if cfg.parallelism.dp_mode != "fsdp":
@@ -188,13 +190,13 @@ def predicted_state_for_summary(cfg: DictConfig, strategy: object, world_size: i
         return None
     name, ranks, stage = layout
     optimizer_name = cfg.optimizer._target_.rsplit(".", 1)[1]
-    zero = getattr(strategy, "name", None) == "zero"
+    zero = declared(strategy).deepspeed_optimizer  # DeepSpeed keeps an fp32 master copy of low-precision weights
     return predicted_model_state_bytes(
         strategy=name,
         stage=stage,
         num_params=num_params,
         world_size=ranks,
         optimizer_bytes=optimizer_state_bytes_per_param(optimizer_name, cfg.optimizer.get("momentum", 0.0)),
-        low_precision=zero and cfg.precision.name != "fp32",
+        low_precision=zero and cfg.precision.compute_dtype != "float32",
         master_copy=zero,
     )

@@ -178,7 +178,7 @@ KEYS = {
     "checkpoint.dir": (check("checkpoint.dir=/etc/hostname"), "is a file; a directory is written here"),
     "checkpoint.save_final": BOOL,
     "checkpoint.resume": (check("checkpoint.resume=/nonexistent/step_00000001"), "never, auto, or a valid step_*"),
-    "checkpoint.async_save": (check("parallelism=zero", "checkpoint.async_save=true"), "DeepSpeed saves"),
+    "checkpoint.async_save": (check("parallelism=zero", "checkpoint.async_save=true"), "saves are synchronous"),
     "checkpoint.emergency": BOOL,
     "checkpoint.emergency_timeout_s": (check("checkpoint.emergency_timeout_s=0"), "> 0"),
     "logger.jsonl.path": (check("logger=jsonl", "logger.jsonl.path=/tmp"), "is a directory; a file is written here"),

@@ -110,7 +110,7 @@ def test_the_summary_table_says_no_validation_apart_from_a_diverged_one():
     "preset, degrees, expected",
     [
         ({"name": "ddp"}, None, "ddp"),
-        ({"name": "zero", "stage": 3}, None, "zero stage 3"),
+        ({"name": "zero", "stage": 3, "_target_": "distrain.parallelism.zero.ZeroStrategy"}, None, "zero stage 3"),
         (
             {"name": "hsdp", "dp_mode": "fsdp", "fsdp_stage": 3},
             dict(replicate=2, dp=2),

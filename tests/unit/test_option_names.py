@@ -1,0 +1,119 @@
+"""No code recognises an option of a config group by its name outside that option's own package: it asks what the
+option declares (``distrain.parallelism.capabilities``) instead. The scan is itself tested on snippets it must flag
+and snippets it must pass."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from helpers import REPO
+
+# A config group -> the package that owns its options (where comparing their names is the option's own business).
+OWNERS = {
+    "parallelism": "distrain/parallelism",
+    "comm": "distrain/comm",
+    "optimizer": "distrain/optim",
+    "precision": "distrain/precision",
+    "logger": "distrain/trackers",
+    "checkpoint": "distrain/checkpoint",
+    "model": "distrain/models",
+    "data": "distrain/data",
+}
+# Names a strategy object is held under: getattr(strategy, "name") == "zero" is the same test.
+STRATEGY_NAMES = {"strategy", "parallelism"}
+
+
+def _group_of(node: ast.expr) -> str | None:
+    """The config group whose option name ``node`` reads: ``cfg.parallelism.name``, ``saved.comm.name``,
+    ``parallelism.name``, ``cfg["precision"]["name"]``, ``getattr(strategy, "name", None)``."""
+    if isinstance(node, ast.Attribute) and node.attr == "name":
+        base = node.value
+    elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "name":
+        base = node.value
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value == "name"
+    ):
+        base = node.args[0]
+    else:
+        return None
+    if isinstance(base, ast.Attribute):
+        word = base.attr
+    elif isinstance(base, ast.Name):
+        word = base.id
+    elif isinstance(base, ast.Subscript) and isinstance(base.slice, ast.Constant):
+        word = str(base.slice.value)
+    else:
+        return None
+    return "parallelism" if word in STRATEGY_NAMES else word if word in OWNERS else None
+
+
+def name_comparisons(source: str) -> list[tuple[int, str]]:
+    """(line, group) of every comparison of a config group's option name: ``==``, ``!=``, ``in``, ``not in``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                if group := _group_of(side):
+                    found.append((node.lineno, group))
+    return found
+
+
+def test_no_option_is_recognised_by_name_outside_its_own_package():
+    offenders = []
+    for path in sorted((REPO / "distrain").rglob("*.py")):
+        relative = path.relative_to(REPO).as_posix()
+        for line, group in name_comparisons(path.read_text()):
+            if not relative.startswith(OWNERS[group] + "/"):
+                offenders.append(f"{relative}:{line} compares {group}'s option name (ask its capabilities)")
+    assert offenders == []
+
+
+def test_the_scan_flags_name_comparisons_and_passes_capability_questions():
+    flagged = [
+        'if cfg.parallelism.name == "zero": pass',
+        'ok = saved.parallelism.name != "ddp"',
+        'x = parallelism.name in ("single", "ddp")',
+        'y = getattr(strategy, "name", None) == "zero"',
+        'z = cfg.precision.name != "fp32"',
+        'w = cfg["comm"]["name"] == "topk"',
+    ]
+    for snippet in flagged:
+        assert name_comparisons(snippet), snippet
+    passed = [
+        "if capabilities_of(cfg.parallelism).one_rank: pass",
+        'line = f"parallelism={cfg.parallelism.name}"',
+        'same = shard.name == "x.bin"',
+        'kept = path.name not in names',
+        'dtype = cfg.precision.compute_dtype == "float16"',
+    ]
+    for snippet in passed:
+        assert not name_comparisons(snippet), snippet
+
+
+def test_every_strategy_of_conf_declares_its_capabilities():
+    """Each parallelism option's target declares capabilities (not only the defaults by omission)."""
+    from omegaconf import OmegaConf
+
+    from distrain.parallelism.capabilities import Capabilities, capabilities_of
+
+    declared = {}
+    for option in sorted((REPO / "conf" / "parallelism").glob("*.yaml")):
+        text = option.read_text()
+        target = next((line.split(":", 1)[1].strip() for line in text.splitlines() if "_target_" in line), None)
+        schema = next(line for line in text.splitlines() if "/schema/parallelism/" in line)
+        kind = schema.split("/schema/parallelism/")[1].split("@")[0]
+        from distrain.config.schema import SCHEMAS
+
+        target = target or SCHEMAS["parallelism"][kind]._target_
+        declared[option.stem] = capabilities_of(OmegaConf.create({"_target_": target}))
+        assert isinstance(declared[option.stem], Capabilities)
+    assert declared["single"].one_rank and not declared["ddp"].one_rank
+    assert declared["ddp"].comm_hooks and not declared["fsdp"].comm_hooks
+    assert declared["zero"].checkpoint_format == "deepspeed" and declared["fsdp"].checkpoint_format == "dcp"
+    assert declared["zero"].zero_stages == (1, 2, 3) and not declared["hybrid"].zero_stages
