@@ -5,7 +5,6 @@ and snippets it must pass."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from helpers import REPO
 
@@ -89,7 +88,7 @@ def test_the_scan_flags_name_comparisons_and_passes_capability_questions():
         "if capabilities_of(cfg.parallelism).one_rank: pass",
         'line = f"parallelism={cfg.parallelism.name}"',
         'same = shard.name == "x.bin"',
-        'kept = path.name not in names',
+        "kept = path.name not in names",
         'dtype = cfg.precision.compute_dtype == "float16"',
     ]
     for snippet in passed:
