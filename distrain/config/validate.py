@@ -22,6 +22,7 @@ from distrain.artifacts.token_dataset import inspect_token_dataset
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.comm.checks import validate_comm
 from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
+from distrain.config.options import own_checks
 from distrain.data.corpus import CorpusTooSmall
 from distrain.data.sampler import GlobalBatchSampler, longest_window, token_windows
 from distrain.data.token_format import DataError
@@ -143,6 +144,8 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         log.warning(note)
     derive_accumulation(cfg, world_size, local)  # before the pipeline checks, which divide the step's sequences
     for note in validate_comm(cfg, world_size):
+        log.warning(note)
+    for note in own_checks(cfg, world_size):  # each option's check_config, distrain's or the user's own
         log.warning(note)
     validate_sharding(cfg, device_type)
     if is_mesh_layout(cfg):

@@ -13,7 +13,7 @@ from distrain.parallelism.capabilities import capabilities_of
 def rules_of(optimizer: DictConfig) -> GroupRules:
     """The parameter-group rules of an ``optimizer`` config."""
     return GroupRules(
-        weight_decay=optimizer.weight_decay,
+        weight_decay=optimizer.get("weight_decay", 0.0),  # an optimizer of the user's may have none
         no_decay=list(optimizer.get("no_decay") or ()),
         lr_multipliers={str(rule): float(factor) for rule, factor in (optimizer.get("lr_multipliers") or {}).items()},
         muon=list(optimizer.get("muon") or ()),
@@ -87,7 +87,8 @@ def validate_optimizer(cfg: DictConfig, model: object | None) -> list[str]:
     no parameter of ``model`` (the configured model on the meta device; None: rules not checked)."""
     optimizer = cfg.optimizer
     check(cfg, "optimizer.lr", positive, "a learning rate > 0")
-    check(cfg, "optimizer.weight_decay", at_least(0), "a number >= 0")
+    if "weight_decay" in optimizer:
+        check(cfg, "optimizer.weight_decay", at_least(0), "a number >= 0")
     for rule, factor in (optimizer.get("lr_multipliers") or {}).items():
         if not positive(factor):
             raise ConfigError(f"optimizer.lr_multipliers.{rule}", factor, "a factor > 0 on the learning rate")

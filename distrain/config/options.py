@@ -1,0 +1,41 @@
+"""Each option's own checks. The ``_target_`` of a config group's option (a class or function, distrain's or one
+in the user's package) may declare ``check_config(cfg, world_size) -> list[str]``: validation calls it once, in
+the launching process before any rank starts, after the checks every option shares. It raises
+``distrain.config.checks.ConfigError`` for a value it cannot take and returns warning lines for the rest.
+
+A target that cannot be imported is refused here in one line naming the key, before any rank tries to build it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig
+
+from distrain.config.checks import ConfigError
+
+GROUPS = ("model", "data", "parallelism", "comm", "optimizer", "precision")
+
+
+def option_of(cfg: DictConfig, group: str) -> Any | None:
+    """The class or function ``<group>._target_`` names (None when the group has no target)."""
+    node = cfg.get(group)
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    if not target:
+        return None
+    try:
+        return get_object(str(target))
+    except Exception as err:  # noqa: BLE001 - whatever the import raised, the user's fix is the target
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise ConfigError(f"{group}._target_", target, f"an importable class or function ({reason})") from None
+
+
+def own_checks(cfg: DictConfig, world_size: int) -> list[str]:
+    """Run every selected option's ``check_config``; return their warning lines."""
+    notes: list[str] = []
+    for group in GROUPS:
+        check_config = getattr(option_of(cfg, group), "check_config", None)
+        if callable(check_config):
+            notes.extend(check_config(cfg, world_size) or ())
+    return notes
