@@ -1,10 +1,7 @@
 """compile=true (torch.compile with inductor, generated C++ kernels on CPU) on 2 gloo ranks: the losses of the same
 run in eager mode, for every strategy that supports it, per block and whole-model."""
 
-import pytest
 from helpers import FAST, compose_config, on_ranks, to_plain, train_steps
-
-pytestmark = pytest.mark.distributed
 
 STEPS = 5
 # Inductor fuses and reorders floating-point operations, so losses agree to rounding, not bit for bit: measured

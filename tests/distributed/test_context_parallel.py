@@ -13,8 +13,6 @@ from distrain.models.llama.model import Llama
 from distrain.models.spec import next_token_loss, spec_of
 from distrain.parallelism.context import ContextParallel, load_balanced_positions, shard_sequence
 
-pytestmark = pytest.mark.distributed
-
 VOCAB, SEQ, BATCH = 64, 16, 2
 
 

@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 from distrain.trainer.build import build
 
 STEPS = 10
-pytestmark = pytest.mark.distributed
 
 
 def run_configs(cfg_dicts, steps, count_allreduce):

@@ -11,8 +11,6 @@ from omegaconf import OmegaConf
 from distrain.config.validate import ConfigError, validate
 from distrain.parallelism.pipeline import balanced_split
 
-pytestmark = pytest.mark.distributed
-
 STEPS = 10
 COMMON = [*FAST, "model.n_layers=4", "data.micro_batch_size=4", "trainer.grad_accum_steps=2"]
 SCHEDULES = {

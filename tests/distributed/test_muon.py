@@ -5,8 +5,6 @@ DeepSpeed's own Muon does the same."""
 import pytest
 from helpers import FAST, compose_config, on_ranks, to_plain, train_steps
 
-pytestmark = pytest.mark.distributed
-
 STEPS = 6
 COMMON = [
     *FAST, "model=llama_tiny", "model.n_layers=2", "model.tie_embeddings=false", "optimizer=muon",

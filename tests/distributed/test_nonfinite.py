@@ -4,14 +4,11 @@ weights never become NaN."""
 import math
 import tempfile
 
-import pytest
 from helpers import FAST, compose_config, cpu_state, join, leave, on_ranks, to_plain
 from omegaconf import OmegaConf
 
 from distrain.parallelism.base import NonFiniteGradientError
 from distrain.trainer.build import build
-
-pytestmark = pytest.mark.distributed
 
 
 def poisoned_run(cfg_dict, poison_step, poison_rank, steps):

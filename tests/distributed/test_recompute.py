@@ -4,8 +4,6 @@ without it (recomputation repeats the same operations in the same order)."""
 import pytest
 from helpers import FAST, compose_config, on_ranks, to_plain, train_steps
 
-pytestmark = pytest.mark.distributed
-
 STRATEGIES = {
     "ddp": ["parallelism=ddp"],
     "fsdp": ["parallelism=fsdp", "stage=3"],

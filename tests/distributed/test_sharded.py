@@ -6,8 +6,6 @@ from helpers import FAST, compose_config, on_ranks, to_plain, train_steps
 
 from distrain.planning.dry_run import plan
 
-pytestmark = pytest.mark.distributed
-
 STEPS = 20
 STRATEGIES = {
     "ddp": ["parallelism=ddp"],

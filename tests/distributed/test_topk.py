@@ -21,9 +21,6 @@ from distrain.comm.compression import CastComm
 from distrain.monitor.timing import Clock
 from distrain.trainer.build import build
 
-pytestmark = pytest.mark.distributed
-
-
 # ---------------------------------------------------------------------------------- top-k error feedback
 
 

@@ -14,8 +14,6 @@ from test_nonfinite import poisoned_run
 
 from distrain.trainer.build import build
 
-pytestmark = pytest.mark.distributed
-
 SPARSE = ["comm=topk", "comm.density=0.05", "comm.sync_every=4", "comm.quality_every=3", "comm.bucket_cap_mb=0.1"]
 
 

@@ -3,11 +3,8 @@ exactly as a run planned that long from the start: the same learning rate and th
 
 import tempfile
 
-import pytest
 import torch
 from helpers import FAST, compose_config, join, leave, on_ranks, to_plain
-
-pytestmark = pytest.mark.distributed
 
 WSD = [*FAST, "scheduler.decay=wsd", "scheduler.warmup_steps=2", "scheduler.decay_fraction=0.25"]
 

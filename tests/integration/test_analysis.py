@@ -11,7 +11,6 @@ from nbclient import NotebookClient
 from distrain.analysis import memory, plots
 from distrain.analysis.runs import load_runs, load_wandb_runs
 
-pytestmark = pytest.mark.integration
 STEPS = 4
 
 

@@ -35,8 +35,6 @@ import pytest
 import torch
 from helpers import REPO, run_in_own_group, save_tiny_hf_llama
 
-pytestmark = pytest.mark.integration
-
 LIMIT_S = 30  # a refusal must come within this
 KILL_S = 60  # a row still running then is killed and reported as a hang
 WORKERS = 3

@@ -10,8 +10,6 @@ import sys
 import pytest
 from helpers import REPO, documentation
 
-pytestmark = pytest.mark.integration
-
 
 def check_model(*args: str, env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(

@@ -8,8 +8,6 @@ from helpers import compose_config, run_train
 
 from distrain.config.validate import ConfigError, validate
 
-pytestmark = pytest.mark.integration
-
 COMMON = [
     "model=llama_tiny", "data.corpus.max_bytes=200000", "data.seq_len=64", "data.micro_batch_size=4",
     "data.global_batch_size=8", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=3",

@@ -3,10 +3,7 @@ train llama_tiny on it, and sample from the checkpoint with the tokenizer stored
 
 import json
 
-import pytest
 from helpers import run_readme_bash_block
-
-pytestmark = pytest.mark.integration
 
 
 def test_the_readme_data_block_runs_as_written(tmp_path):

@@ -15,8 +15,6 @@ from omegaconf import OmegaConf
 from distrain.data.sampler import TokenWindows, validation_batches
 from distrain.models.spec import next_token_loss
 
-pytestmark = pytest.mark.integration
-
 STEPS = 10
 CHECKPOINTED = [*FAST, f"trainer.max_steps={STEPS}", "checkpoint=default", "checkpoint.keep_last=0"]
 STRATEGIES = {"ddp": ["parallelism=ddp"], "fsdp": ["parallelism=fsdp"], "zero3": ["parallelism=zero", "stage=3"]}

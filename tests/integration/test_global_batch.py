@@ -8,8 +8,6 @@ from helpers import FAST, compose_config, run_train
 
 from distrain.config.validate import validate
 
-pytestmark = pytest.mark.integration
-
 COMMON = [*FAST, "data.global_batch_size=16", "trainer.max_steps=4", "distributed.nproc_per_node=4"]
 LAYOUTS = {  # layout -> (overrides, derived accumulation, data-parallel degree)
     "ddp": (["parallelism=ddp"], 1, 4),

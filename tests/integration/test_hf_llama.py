@@ -18,8 +18,6 @@ from distrain.checkpoint.export import consolidated_model_state
 from distrain.models.llama.hf import from_hf, from_hf_config, to_hf
 from distrain.models.llama.model import Llama
 
-pytestmark = pytest.mark.integration
-
 HF_SIZES = {
     "vocab_size": 256,
     "hidden_size": 64,

@@ -15,8 +15,6 @@ from omegaconf import OmegaConf
 
 from distrain.checkpoint.export import consolidated_model_state
 
-pytestmark = pytest.mark.integration
-
 FAST = ["data.corpus.max_bytes=200000", "logger=none", "checkpoint=none"]
 
 

@@ -1,10 +1,7 @@
 """The Hugging Face block (docs/models.md) runs as written: train a local HF model under FSDP, export the checkpoint,
 load the export (weights and tokenizer) with transformers."""
 
-import pytest
 from helpers import run_readme_bash_block, save_tiny_hf_llama
-
-pytestmark = pytest.mark.integration
 
 
 def test_the_readme_hugging_face_block_runs_as_written(tmp_path):

@@ -9,8 +9,6 @@ from helpers import FAST, REPO, compose_config, run_train
 from distrain.config.validate import ConfigError, validate
 from distrain.parallelism.hybrid import MeshDegrees
 
-pytestmark = pytest.mark.integration
-
 FOUR = [*FAST, "distributed.nproc_per_node=4", "trainer.max_steps=4", "trainer.log_every=1"]
 
 

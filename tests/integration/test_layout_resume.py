@@ -7,8 +7,6 @@ import json
 import pytest
 from helpers import FAST, run_train
 
-pytestmark = pytest.mark.integration
-
 COMMON = [*FAST, "checkpoint=default", "checkpoint.every_n_steps=3", "trainer.max_steps=6", "trainer.eval_every=0"]
 CHANGES = {  # name -> (first layout, second layout)
     "fsdp4_to_hsdp2x2": (

@@ -9,8 +9,6 @@ from helpers import FAST, run_train
 from distrain.trackers.console import si_number
 from distrain.trackers.wandb_files import read_wandb_run
 
-pytestmark = pytest.mark.integration
-
 PHASES = ("data_time_s", "compute_time_s", "comm_time_s", "optimizer_time_s")
 STEP_METRICS = {
     "loss",

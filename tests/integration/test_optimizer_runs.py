@@ -9,8 +9,6 @@ from hydra.utils import instantiate
 
 from distrain.models.spec import spec_of
 
-pytestmark = pytest.mark.integration
-
 
 def test_muon_under_fsdp_learns_prints_its_groups_and_sends_each_shard_twice(tmp_path):
     run_dir = tmp_path / "run"

@@ -8,8 +8,6 @@ import sys
 import pytest
 from helpers import REPO
 
-pytestmark = pytest.mark.integration
-
 
 def test_peers_benchmark_trains_the_same_model_under_every_framework(tmp_path):
     pytest.importorskip("lightning")

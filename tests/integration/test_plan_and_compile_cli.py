@@ -5,8 +5,6 @@ import json
 import pytest
 from helpers import FAST, run_train
 
-pytestmark = pytest.mark.integration
-
 TARGET_64 = ["target.nodes=8", "target.ranks_per_node=8", "target.device=cuda", "model=gpt_small"]
 
 

@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from helpers import FAST, REPO, run_train
 
-pytestmark = pytest.mark.integration
-
 PACKAGE = '''
 """The user's own extensions of distrain."""
 import json

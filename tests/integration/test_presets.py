@@ -14,8 +14,6 @@ from distrain.config.validate import ConfigError, validate
 from distrain.parallelism.checks import hybrid_degrees
 from distrain.parallelism.hybrid import _ComposedModel, _ComposedPipeline
 
-pytestmark = pytest.mark.integration
-
 DEGREES = ("replicate", "dp", "cp", "tp", "pp")
 
 

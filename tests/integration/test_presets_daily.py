@@ -17,8 +17,6 @@ from omegaconf import OmegaConf
 from distrain.config.overrides import composition_error, quote_group_options
 from distrain.config.validate import validate
 
-pytestmark = pytest.mark.integration
-
 EXPERIMENTS = sorted(path.stem for path in (CONF_DIR / "experiment").glob("*.yaml"))
 DEBUG_MODES = sorted(path.stem for path in (CONF_DIR / "debug").glob("*.yaml"))
 # Read from each file, not composed: a broken recipe fails its own tests, not the collection of this module.

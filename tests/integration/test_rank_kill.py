@@ -18,8 +18,6 @@ import time
 import pytest
 from helpers import FAST, REPO, rank_processes, run_train
 
-pytestmark = pytest.mark.integration
-
 STEPS = 24
 ARGS = [
     *FAST,

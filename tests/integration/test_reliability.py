@@ -16,8 +16,6 @@ from helpers import FAST, REPO, run_train
 
 from distrain.checkpoint.checkpointer import checkpoint_problem, step_directories
 
-pytestmark = pytest.mark.integration
-
 ONE_RANK = [*FAST, "distributed.nproc_per_node=1", "trainer.max_steps=4", "hydra.run.dir=run"]
 # Every strategy and communication option that can run on one rank; all compute the same fp32 math there.
 WORLD_SIZE_ONE = {

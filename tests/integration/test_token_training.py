@@ -11,8 +11,6 @@ import pytest
 from helpers import REPO, run_train, write_token_dataset
 from omegaconf import OmegaConf
 
-pytestmark = pytest.mark.integration
-
 STDLIB_BYTES = np.frombuffer((REPO / "distrain" / "config" / "validate.py").read_bytes() * 8, dtype=np.uint8)
 COMMON = ["data=tokens", "logger=none", "model.n_layers=1", "data.micro_batch_size=4", "data.seq_len=64"]
 

@@ -9,8 +9,6 @@ import sys
 import pytest
 from helpers import FAST, REPO, run_train
 
-pytestmark = pytest.mark.integration
-
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s"}
 SUMMARY_KEYS = {
     "final_train_loss",

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CONF_DIR, FAST, compose_config, save_tiny_hf_llama, write_token_dataset
+from helpers import CONF_DIR, FAST, compose_config, write_token_dataset
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ValidationError
@@ -22,12 +22,12 @@ def group_options():
 
 
 @pytest.mark.parametrize("group,option", list(group_options()))
-def test_every_option_composes_validates_and_instantiates(group, option, tmp_path):
+def test_every_option_composes_validates_and_instantiates(group, option, tmp_path, request):
     fast = [o for o in FAST if not (group == "model" and o.startswith("model."))]
     if option == "synthetic":
         fast = [o.replace("max_bytes", "num_tokens") for o in fast]
     if group == "model" and option == "hf":  # a local Hugging Face directory, saved in the test
-        fast.append(f"model.name_or_path={save_tiny_hf_llama(tmp_path)}")
+        fast.append(f"model.name_or_path={request.getfixturevalue('tiny_hf_llama')}")
     if option == "tokens":  # a dataset on disk, written in the test (bytes of this file as ids)
         ids = np.frombuffer(Path(__file__).read_bytes() * 4, dtype=np.uint8)
         fast = [o for o in fast if "max_bytes" not in o]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import compose_config, save_tiny_hf_llama
+from helpers import compose_config
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -191,9 +191,9 @@ def test_init_from_refuses_a_directory_that_does_not_fit_in_one_line(exported, e
     assert err.value.key == key and words in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_init_from_refuses_a_dense_llama_directory(tmp_path):
-    path = save_tiny_hf_llama(tmp_path)
-    cfg = compose_config(["model=moe_tiny", "model.d_model=64", "model.n_layers=2", f"model.init_from={path}"])
+def test_init_from_refuses_a_dense_llama_directory(tiny_hf_llama):
+    overrides = ["model=moe_tiny", "model.d_model=64", "model.n_layers=2", f"model.init_from={tiny_hf_llama}"]
+    cfg = compose_config(overrides)
     with pytest.raises(ConfigError, match=r"does not have: .*mlp\.\w+_proj") as err:
         MOE_SPEC.check_config(cfg)
     assert "\n" not in str(err.value)
