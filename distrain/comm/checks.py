@@ -5,9 +5,8 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from distrain.config.checks import ConfigError, at_least, check, positive
+from distrain.optim.capabilities import optimizer_capabilities
 from distrain.parallelism.capabilities import capabilities_of
-
-ADAPTIVE_OPTIMIZERS = (".adamw",)  # optimizer targets that normalise each entry by its own history
 
 
 def validate_comm(cfg: DictConfig, world_size: int) -> list[str]:
@@ -52,7 +51,9 @@ def _validate_topk(cfg: DictConfig) -> list[str]:
     check(cfg, "comm.momentum", lambda v: v is not None and 0 <= v < 1, "a number in [0, 1)")
     optimizer = cfg.optimizer._target_
     if comm.momentum > 0 and not (
-        comm.feedback == "residual" and optimizer.endswith(".sgd") and cfg.optimizer.momentum == 0
+        comm.feedback == "residual"
+        and optimizer_capabilities(cfg.optimizer).linear
+        and not cfg.optimizer.get("momentum")
     ):
         raise ConfigError(
             "comm.momentum",
@@ -82,7 +83,7 @@ def _validate_topk(cfg: DictConfig) -> list[str]:
             comm.feedback,
             f"residual under precision=fp16 ({held}); or keep it and use precision=bf16",
         )
-    if comm.feedback == "residual" and optimizer.endswith(ADAPTIVE_OPTIMIZERS):
+    if comm.feedback == "residual" and optimizer_capabilities(cfg.optimizer).adaptive:
         return [
             f"comm.feedback=residual with {optimizer.rsplit('.', 1)[-1]}: classic error feedback is sound for SGD; "
             "Adam-type optimizers shrink the delayed sums it delivers (on the default job 1% ended 24% above "

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distrain.optim.capabilities import OptimizerCapabilities
 from distrain.optim.groups import GroupRules, canonical_name, param_groups
 from distrain.optim.muon import Muon
 
@@ -111,3 +112,8 @@ def muon(
         replicated_over=replicated_over,
         foreach=_foreach(groups),
     )
+
+
+adamw.capabilities = OptimizerCapabilities(adaptive=True, moments=2)
+sgd.capabilities = OptimizerCapabilities(linear=True, momentum_buffer=True)
+muon.capabilities = OptimizerCapabilities(momentum_buffer=True)

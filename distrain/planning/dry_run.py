@@ -162,12 +162,11 @@ def plan(cfg: DictConfig) -> DryRunReport:
     validate(cfg, target)
     strategy = instantiate(cfg.parallelism)
     precision = instantiate(cfg.precision)
-    optimizer_name = cfg.optimizer._target_.rsplit(".", 1)[1]
     workload = Workload(
         micro_batch_size=cfg.data.micro_batch_size,
         grad_accum_steps=cfg.trainer.grad_accum_steps,
         seq_len=cfg.data.seq_len,
-        optimizer_bytes=optimizer_state_bytes_per_param(optimizer_name, cfg.optimizer.get("momentum", 0.0)),
+        optimizer_bytes=optimizer_state_bytes_per_param(cfg.optimizer),
     )
     new_model = partial(_model_with_recomputation, cfg)
     with torch.device("meta"):

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distrain.optim.capabilities import optimizer_capabilities
 from distrain.parallelism.capabilities import declared
 
 
@@ -116,11 +117,10 @@ def measure_torch_model_state(model: nn.Module, optimizer: torch.optim.Optimizer
     )
 
 
-def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
-    """fp32 optimizer-state bytes per parameter: Adam(W) keeps two moments, SGD one buffer if momentum > 0."""
-    if optimizer == "adamw":
-        return 8
-    return 4 if momentum > 0 else 0
+def optimizer_state_bytes_per_param(optimizer: DictConfig) -> int:
+    """fp32 optimizer-state bytes per parameter, as the optimizer declares them (AdamW: two moments; SGD and Muon:
+    one buffer while momentum > 0)."""
+    return optimizer_capabilities(optimizer).state_bytes_per_param(optimizer)
 
 
 def predicted_model_state(
@@ -189,14 +189,13 @@ def predicted_state_for_summary(cfg: DictConfig, strategy: object, world_size: i
     if layout is None:
         return None
     name, ranks, stage = layout
-    optimizer_name = cfg.optimizer._target_.rsplit(".", 1)[1]
     zero = declared(strategy).deepspeed_optimizer  # DeepSpeed keeps an fp32 master copy of low-precision weights
     return predicted_model_state_bytes(
         strategy=name,
         stage=stage,
         num_params=num_params,
         world_size=ranks,
-        optimizer_bytes=optimizer_state_bytes_per_param(optimizer_name, cfg.optimizer.get("momentum", 0.0)),
+        optimizer_bytes=optimizer_state_bytes_per_param(cfg.optimizer),
         low_precision=zero and cfg.precision.compute_dtype != "float32",
         master_copy=zero,
     )
