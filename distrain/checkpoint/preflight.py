@@ -27,6 +27,7 @@ from distrain.checkpoint.checkpointer import (
 from distrain.checkpoint.lock import CheckpointDirLock
 from distrain.config.checks import ConfigError, as_typed
 from distrain.parallelism.capabilities import capabilities_of
+from distrain.parallelism.layout import layout_of
 
 log = logging.getLogger("distrain.train")
 # Optimizer settings a checkpoint's optimizer state carries (per parameter group): a resumed run keeps the saved ones.
@@ -87,22 +88,11 @@ def prepare_checkpoint_dir(
 def pipeline_layout(parallelism: DictConfig, world_size: int) -> tuple[int, int, tuple[int, ...]] | None:
     """How a layout splits the model into pipeline stages on ``world_size`` ranks: (pp resolved, stages per rank,
     split points), or None when it has no pipeline. What a pipeline checkpoint's per-stage optimizer state needs."""
-    from distrain.parallelism.hybrid import MeshDegrees
-
-    pp = parallelism.get("pp", 1)
-    if pp == -1:
-        try:
-            pp = MeshDegrees.resolve(
-                dp=int(parallelism.get("dp", 1)),
-                tp=int(parallelism.get("tp", 1)),
-                pp=-1,
-                world_size=world_size,
-                replicate=max(1, int(parallelism.get("dp_replicate", 1))),
-                cp=int(parallelism.get("cp", 1)),
-            ).pp
-        except ValueError:
-            return (-1, 1, ())  # degrees that do not fit: validation names them
-    elif pp == 1:
+    try:
+        pp = layout_of(parallelism, world_size).pp
+    except ValueError:
+        return (-1, 1, ())  # degrees that do not fit: validation names them
+    if pp == 1:
         return None
     virtual = int(parallelism.virtual_stages) if parallelism.get("schedule") == "interleaved" else 1
     return (int(pp), virtual, tuple(parallelism.get("split_points", ())))

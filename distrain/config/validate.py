@@ -34,7 +34,6 @@ from distrain.optim.checks import validate_optimizer
 from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.checks import (
     adopt_renamed_keys,
-    hybrid_degrees,
     is_mesh_layout,
     meta_model,
     single_copy_note,
@@ -43,6 +42,7 @@ from distrain.parallelism.checks import (
     validate_sharding,
 )
 from distrain.parallelism.compile import backend_problem
+from distrain.parallelism.layout import layout_of
 from distrain.precision.policy import autocast_supported
 from distrain.trackers.base import TrackerSetupError
 from distrain.trackers.mlflow_tracker import absolute_tracking_uri
@@ -326,9 +326,7 @@ def data_parallel_degree(cfg: DictConfig, world_size: int, ranks_per_node: int |
     """Ranks reading different data: all of them for ddp and zero; dp_replicate x dp for the mesh layouts (hybrid
     and its presets: all ranks for fsdp, one for tensor and pipeline; ``ranks_per_node`` resolves dp_replicate=-1;
     ValueError when their degrees do not fit ``world_size``)."""
-    if is_mesh_layout(cfg):  # the replicas times the ranks sharding each, as the strategy resolves them
-        return hybrid_degrees(cfg, world_size, ranks_per_node).data_parallel
-    return world_size
+    return layout_of(cfg.parallelism, world_size, ranks_per_node).data_parallel
 
 
 def derive_accumulation(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> None:

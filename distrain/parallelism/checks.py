@@ -6,7 +6,6 @@ Called by ``distrain.config.validate.validate`` once the world size is known (th
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
 
 import torch
 from hydra.utils import get_object, instantiate
@@ -16,11 +15,8 @@ from torch import nn
 from distrain.config.checks import ConfigError, at_least, check
 from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
 from distrain.parallelism.capabilities import capabilities_of
+from distrain.parallelism.layout import Layout, layout_of
 
-if TYPE_CHECKING:
-    from distrain.parallelism.hybrid import MeshDegrees
-
-MESH_LAYOUT = "distrain.parallelism.hybrid.HybridStrategy"  # the target of hybrid and of its presets
 # The stages a sharding strategy takes (top-level `stage=`, or `parallelism.stage=` for ZeRO and
 # `parallelism.fsdp_stage=` for FSDP on the dp axis of a mesh layout; named here as the options that shard by default).
 ZERO_STAGES, FSDP_STAGES = (1, 2, 3), (2, 3)
@@ -30,7 +26,7 @@ STAGE_TAKERS = "parallelism=zero (1/2/3), parallelism=fsdp (2/3), parallelism=hs
 def is_mesh_layout(cfg: DictConfig) -> bool:
     """Whether the parallelism option is ``hybrid`` or a preset of it (a config file with its target: ``fsdp``,
     ``hsdp``, ``tensor``, ``pipeline``, or one of the user's own)."""
-    return cfg.parallelism.get("_target_") == MESH_LAYOUT
+    return capabilities_of(cfg.parallelism).device_mesh
 
 
 RENAMED = {"stage": "fsdp_stage", "microbatches": "pipeline_microbatches"}  # a mesh layout's old keys: new keys
@@ -241,22 +237,10 @@ def validate_tensor(cfg: DictConfig, world_size: int) -> None:
 
 def hybrid_degrees(
     cfg: DictConfig, world_size: int, ranks_per_node: int | None = None, with_experts: bool = True
-) -> MeshDegrees:
-    """The mesh degrees a hybrid preset resolves to on ``world_size`` ranks; ValueError when they do not fit it.
-    Without ``with_experts`` ep is left out (its own check names it)."""
-    from distrain.parallelism.hybrid import MeshDegrees
-
-    hybrid = cfg.parallelism
-    return MeshDegrees.resolve(
-        dp=hybrid.dp,
-        tp=hybrid.tp,
-        pp=hybrid.pp,
-        world_size=world_size,
-        replicate=hybrid.dp_replicate,
-        ranks_per_node=ranks_per_node,
-        cp=hybrid.get("cp", 1),
-        ep=hybrid.get("ep", 1) if with_experts else 1,
-    )
+) -> Layout:
+    """The layout ``cfg.parallelism`` resolves to on ``world_size`` ranks (``layout_of``); ValueError when its degrees
+    do not fit it. Without ``with_experts`` ep is left out (its own check names it)."""
+    return layout_of(cfg.parallelism, world_size, ranks_per_node, with_experts=with_experts)
 
 
 def single_copy_note(cfg: DictConfig, world_size: int, ranks_per_node: int | None) -> str | None:
@@ -343,7 +327,7 @@ def _misfit_degree(hybrid: DictConfig, world_size: int) -> tuple[str, int]:
     return f"parallelism.{axis}", hybrid[axis]
 
 
-def validate_context(cfg: DictConfig, degrees: MeshDegrees) -> None:
+def validate_context(cfg: DictConfig, degrees: Layout) -> None:
     """Context parallelism: a model whose spec has context-parallel attention, sequences cut into 2 x cp equal
     chunks, whole models sharded by FSDP (no pipeline, no replicate mode, no sequence-parallel split of its own)."""
     hybrid, cp = cfg.parallelism, degrees.cp
@@ -366,7 +350,7 @@ def validate_context(cfg: DictConfig, degrees: MeshDegrees) -> None:
         )
 
 
-def validate_experts(cfg: DictConfig, ep: int, degrees: MeshDegrees) -> None:
+def validate_experts(cfg: DictConfig, ep: int, degrees: Layout) -> None:
     """Expert parallelism: a model whose spec splits experts, as many experts on every ep rank, composed with FSDP
     over dp alone (no pipeline, tensor or context split, no replicas or replicate mode; ``degrees`` resolved)."""
     hybrid = cfg.parallelism

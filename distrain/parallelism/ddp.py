@@ -15,6 +15,7 @@ from distrain.checkpoint.checkpointer import checkpoint_world_size
 from distrain.checkpoint.data_only import load_dcp_metadata
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
 from distrain.parallelism.capabilities import Capabilities
+from distrain.parallelism.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,11 @@ class DDPStrategy(LocalBackwardStrategy):
     """
 
     capabilities = Capabilities(comm_hooks=True, memory_formula="ddp")
+
+    @staticmethod
+    def resolve_layout(parallelism: Any, world_size: int, ranks_per_node: int | None = None, **_: Any) -> Layout:
+        """Every rank data parallel, each holding the whole model."""
+        return Layout(dp=world_size)
 
     def __init__(self, *, name: str = "ddp", find_unused_parameters: bool) -> None:
         self.name = name

@@ -49,6 +49,7 @@ from distrain.parallelism.base import (
 from distrain.parallelism.capabilities import Capabilities
 from distrain.parallelism.context import ContextParallel, shard_sequence
 from distrain.parallelism.fsdp import shard_blocks_and_root
+from distrain.parallelism.layout import Layout
 from distrain.parallelism.pipeline import PipelineStrategy
 from distrain.parallelism.tensor import parallelize_model
 from distrain.precision.policy import PrecisionPolicy
@@ -56,64 +57,7 @@ from distrain.precision.policy import PrecisionPolicy
 AXES = ("pp", "dp", "tp")  # always in the mesh, even at degree 1
 
 
-@dataclass(frozen=True)
-class MeshDegrees:
-    """Degrees of the axes: ``replicate`` copies of an FSDP group of ``dp`` ranks (HSDP when both exceed 1), ``tp``
-    and ``pp``. In config one of ``dp``, ``tp``, ``pp`` may be -1, "the rest of the world size"; ``dp_replicate=-1``
-    means "one per node"."""
-
-    pp: int
-    dp: int
-    tp: int
-    replicate: int = 1
-    cp: int = 1
-    ep: int = 1  # expert-parallel ranks: a split of the dp axis (ep divides dp)
-
-    @classmethod
-    def resolve(
-        cls,
-        *,
-        dp: int,
-        tp: int,
-        pp: int,
-        world_size: int,
-        replicate: int = 1,
-        ranks_per_node: int | None = None,
-        cp: int = 1,
-        ep: int = 1,
-    ) -> MeshDegrees:
-        """The degrees for ``world_size`` ranks: one of ``dp``, ``tp``, ``pp`` may be -1, the rest of the world size
-        (the ``fsdp`` preset leaves dp, ``tensor`` tp, ``pipeline`` pp); ``ranks_per_node`` resolves
-        ``replicate=-1``. ValueError names the mismatch."""
-        free = [name for name, degree in (("dp", dp), ("tp", tp), ("pp", pp)) if degree == -1]
-        if len(free) > 1:
-            raise ValueError(f"only one of dp, tp, pp may be -1 (the rest of the world size), not {' and '.join(free)}")
-        model_copy = max(tp, 1) * max(pp, 1) * cp  # the ranks that hold one copy of the model and read one batch
-        if replicate == -1:  # one copy per node, or per model copy when one spans several nodes
-            replicate = max(1, world_size // max(ranks_per_node or world_size, model_copy))
-        fixed = replicate * max(dp, 1) * model_copy
-        if free:
-            if world_size % fixed:
-                product = " x ".join(n for n in ("dp_replicate", "dp", "cp", "tp", "pp") if n != free[0])
-                raise ValueError(f"{product} = {fixed} does not divide the world size {world_size}")
-            dp, tp, pp = (world_size // fixed if degree == -1 else degree for degree in (dp, tp, pp))
-            model_copy = tp * pp * cp
-        if replicate * dp * model_copy != world_size:
-            raise ValueError(
-                f"dp_replicate x dp x cp x tp x pp = {replicate} x {dp} x {cp} x {tp} x {pp} = "
-                f"{replicate * dp * model_copy}, not the world size {world_size}"
-            )
-        if dp % ep:
-            raise ValueError(f"ep = {ep} does not divide the data-parallel degree dp = {dp} (experts split over dp)")
-        return cls(pp=pp, dp=dp, tp=tp, replicate=replicate, cp=cp, ep=ep)
-
-    @property
-    def data_parallel(self) -> int:
-        """Ranks reading different data: the replicas times the ranks sharding each."""
-        return self.replicate * self.dp
-
-
-def build_mesh(degrees: MeshDegrees, device_type: str, dp_mode: str = "fsdp") -> DeviceMesh:
+def build_mesh(degrees: Layout, device_type: str, dp_mode: str = "fsdp") -> DeviceMesh:
     """The (pp, dp, tp) mesh over all ranks (collective: creates one process group per axis slice). With
     ``dp_mode="replicate"`` a ``dp_shard`` axis of size 1 follows ``dp``: FSDP2 over (dp, dp_shard) replicates over
     ``dp`` and shards over nothing. With ``degrees.replicate > 1`` a ``dp_replicate`` axis precedes ``dp``: FSDP2 over
@@ -148,7 +92,7 @@ def axes(mesh: DeviceMesh, *names: str) -> DeviceMesh:
 def compose(
     module: nn.Module,
     mesh: DeviceMesh,
-    degrees: MeshDegrees,
+    degrees: Layout,
     precision: PrecisionPolicy,
     stage: int,
     sequence_parallel: bool = False,
@@ -194,8 +138,8 @@ class HybridLayout:
     ep: int = 1
     cpu_offload: bool = False
 
-    def degrees(self, world_size: int, ranks_per_node: int | None) -> MeshDegrees:
-        return MeshDegrees.resolve(
+    def degrees(self, world_size: int, ranks_per_node: int | None) -> Layout:
+        return Layout.resolve(
             dp=self.dp,
             tp=self.tp,
             pp=self.pp,
@@ -204,17 +148,17 @@ class HybridLayout:
             ranks_per_node=ranks_per_node,
             cp=self.cp,
             ep=self.ep,
+            dp_holds="shard" if self.dp_mode == "fsdp" else "replicate",
+            stage=self.fsdp_stage if self.dp_mode == "fsdp" else None,
         )
 
-    def build(
-        self, world_size: int, device_type: str, ranks_per_node: int | None = None
-    ) -> tuple[DeviceMesh, MeshDegrees]:
+    def build(self, world_size: int, device_type: str, ranks_per_node: int | None = None) -> tuple[DeviceMesh, Layout]:
         """The degrees for ``world_size`` ranks and their mesh (collective)."""
         degrees = self.degrees(world_size, ranks_per_node)
         return build_mesh(degrees, device_type, self.dp_mode), degrees
 
 
-def data_parallel_rank(mesh: DeviceMesh, degrees: MeshDegrees) -> int:
+def data_parallel_rank(mesh: DeviceMesh, degrees: Layout) -> int:
     """This rank's index among the ranks reading different data: replica-major, then its place in the dp group."""
     replica = mesh["dp_replicate"].get_local_rank() if degrees.replicate > 1 else 0
     return replica * degrees.dp + axes(mesh, "dp").get_local_rank()
@@ -295,7 +239,27 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     return _ComposedModel(layout, name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-HybridStrategy.capabilities = Capabilities()  # the defaults: any ranks, DCP checkpoints that reshard
+def resolve_hybrid_layout(
+    parallelism: Any, world_size: int, ranks_per_node: int | None = None, *, with_experts: bool = True
+) -> Layout:
+    """The layout a ``parallelism=hybrid`` config (or a preset of it) resolves to; ValueError when its degrees do not
+    fit ``world_size``. The same resolution the strategy's setup makes (``HybridLayout.degrees``)."""
+    stage = parallelism.get("stage") or parallelism.get("fsdp_stage", 3)  # the old name wins when set
+    configured = HybridLayout(
+        dp=int(parallelism.get("dp", 1)),
+        tp=int(parallelism.get("tp", 1)),
+        pp=int(parallelism.get("pp", 1)),
+        dp_mode=str(parallelism.get("dp_mode", "fsdp")),
+        fsdp_stage=int(stage),
+        dp_replicate=int(parallelism.get("dp_replicate", 1)),
+        cp=int(parallelism.get("cp", 1)),
+        ep=int(parallelism.get("ep", 1)) if with_experts else 1,
+    )
+    return configured.degrees(world_size, ranks_per_node)
+
+
+HybridStrategy.capabilities = Capabilities(device_mesh=True)  # any ranks, DCP checkpoints that reshard
+HybridStrategy.resolve_layout = resolve_hybrid_layout
 
 
 class _ComposedModel(LocalBackwardStrategy):

@@ -30,6 +30,7 @@ from distrain.optim.groups import base_lr
 from distrain.optim.muon import Muon
 from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext
 from distrain.parallelism.capabilities import Capabilities
+from distrain.parallelism.layout import Layout
 from distrain.planning.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
 from distrain.trainer.faults import maybe_inject_fault
 
@@ -85,6 +86,11 @@ class ZeroStrategy:
         deepspeed_optimizer=True,
         memory_formula="zero",
     )
+
+    @staticmethod
+    def resolve_layout(parallelism: Any, world_size: int, ranks_per_node: int | None = None, **_: Any) -> Layout:
+        """Every rank data parallel, the model state sharded by ZeRO's stage."""
+        return Layout(dp=world_size, dp_holds="shard", stage=int(parallelism.stage))
 
     updating = False
     compile_unsupported = (

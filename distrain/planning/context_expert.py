@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from distrain.models.spec import spec_of
 from distrain.parallelism.context import ContextParallel
-from distrain.parallelism.hybrid import MeshDegrees
+from distrain.parallelism.layout import Layout
 from distrain.planning.memory import local
 from distrain.precision.policy import PrecisionPolicy
 
@@ -55,7 +55,7 @@ INDEX_BYTES = torch.int64.itemsize  # the sort index of the received rows
 def whole_model_activations(
     computing: nn.Module,
     held: nn.Module,
-    degrees: MeshDegrees,
+    degrees: Layout,
     mesh: DeviceMesh | None,
     seq_len: int,
     precision: PrecisionPolicy,
@@ -77,7 +77,7 @@ def whole_model_activations(
     return _expert_parallel_activations(computing, held, seq_len, precision, measure)
 
 
-def not_gathered(computing: nn.Module, held: nn.Module, degrees: MeshDegrees) -> set[int]:
+def not_gathered(computing: nn.Module, held: nn.Module, degrees: Layout) -> set[int]:
     """Ids of the computing model's parameters that FSDP does not all-gather: the experts under ep (each rank holds
     its own whole, outside FSDP); empty otherwise."""
     if degrees.ep == 1:

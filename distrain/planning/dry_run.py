@@ -29,10 +29,10 @@ from distrain.launch.process_group import resolve_device_type
 from distrain.launch.ranks import default_nproc_per_node
 from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.describe import degree_items, mesh_line
-from distrain.parallelism.hybrid import MeshDegrees
+from distrain.parallelism.layout import Layout, layout_of
 from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.planning.memory import optimizer_state_bytes_per_param
-from distrain.planning.rank_memory import RankMemory, Workload, mesh_degrees, predict_rank_memory
+from distrain.planning.rank_memory import RankMemory, Workload, predict_rank_memory
 
 GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 80.0  # a cuda target without a GPU here: an 80 GB A100/H100
@@ -51,7 +51,7 @@ class DryRunReport:
     tokens_per_step: int
     steps_per_epoch: int
     ranks: list[RankMemory]
-    mesh: MeshDegrees | None = None  # the layout's degrees on the target (None: not planned)
+    mesh: Layout | None = None  # the layout's degrees on the target (None: not planned)
 
     @property
     def fits(self) -> bool:
@@ -171,16 +171,15 @@ def plan(cfg: DictConfig) -> DryRunReport:
     new_model = partial(_model_with_recomputation, cfg)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in new_model().parameters())
-    mesh = mesh_degrees(strategy, target.world_size, target.ranks_per_node)
+    mesh = layout_of(cfg.parallelism, target.world_size, target.ranks_per_node)
     dist.init_process_group("fake", store=_fake_store(), rank=0, world_size=target.world_size)
     try:
         ranks = predict_rank_memory(
             strategy,
+            layout=mesh,
             new_model=new_model,
-            world_size=target.world_size,
             precision=precision,
             workload=workload,
-            ranks_per_node=target.ranks_per_node,
         )
     finally:
         dist.destroy_process_group()

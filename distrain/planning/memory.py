@@ -15,7 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distrain.optim.capabilities import optimizer_capabilities
-from distrain.parallelism.capabilities import declared
+from distrain.parallelism.capabilities import capabilities_of
+from distrain.parallelism.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -162,19 +163,19 @@ def predicted_model_state(
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
 
 
-def formula_layout(cfg: DictConfig, strategy: object, world_size: int) -> tuple[str, int, int | None] | None:
+def formula_layout(cfg: DictConfig, layout: Layout) -> tuple[str, int, int | None] | None:
     """The ZeRO formulas' name for a data-parallel layout, the ranks it shards (or replicates) over and its stage:
-    ``fsdp`` over the resolved dp of a mesh layout with no model-parallel axis (its replicas hold copies), ``ddp``
-    for its replicate mode; None for model-parallel layouts, which ``dry_run=true`` plans."""
-    degrees = getattr(strategy, "degrees", None)  # a mesh layout's, resolved at setup
-    if degrees is None:
-        formula = declared(strategy).memory_formula
-        return (formula, world_size, cfg.parallelism.get("stage")) if formula else None
-    if degrees.tp * degrees.pp * degrees.cp * degrees.ep > 1:
+    the strategy's declared formula when it has no mesh (single, ddp, zero), else ``fsdp`` over the resolved dp when
+    dp shards (replicas hold copies), ``ddp`` when it replicates; None for model-parallel layouts, which
+    ``dry_run=true`` plans."""
+    if layout.model_parallel:
         return None
-    if cfg.parallelism.dp_mode != "fsdp":
-        return ("ddp", world_size, None)
-    return ("fsdp", degrees.dp, cfg.parallelism.fsdp_stage)
+    formula = capabilities_of(cfg.parallelism).memory_formula
+    if formula:
+        return (formula, layout.world_size, layout.stage)
+    if layout.dp_holds != "shard":
+        return ("ddp", layout.world_size, None)
+    return ("fsdp", layout.dp, layout.stage)
 
 
 def predicted_model_state_bytes(**layout: object) -> int:
@@ -182,14 +183,16 @@ def predicted_model_state_bytes(**layout: object) -> int:
     return predicted_model_state(**layout).total
 
 
-def predicted_state_for_summary(cfg: DictConfig, strategy: object, world_size: int, num_params: int) -> int | None:
+def predicted_state_for_summary(cfg: DictConfig, layout: Layout, num_params: int) -> int | None:
     """summary.json's ``predicted_model_state_bytes``: the ZeRO formulas for a data-parallel layout, None for a
     model-parallel one (``dry_run=true`` plans those)."""
-    layout = formula_layout(cfg, strategy, world_size)
-    if layout is None:
+    formula = formula_layout(cfg, layout)
+    if formula is None:
         return None
-    name, ranks, stage = layout
-    zero = declared(strategy).deepspeed_optimizer  # DeepSpeed keeps an fp32 master copy of low-precision weights
+    name, ranks, stage = formula
+    zero = capabilities_of(
+        cfg.parallelism
+    ).deepspeed_optimizer  # DeepSpeed keeps an fp32 master copy of low-precision weights
     return predicted_model_state_bytes(
         strategy=name,
         stage=stage,

@@ -33,11 +33,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from distrain.models.spec import spec_of
-from distrain.parallelism.ddp import DDPStrategy
-from distrain.parallelism.hybrid import MeshDegrees, _ComposedModel, _ComposedPipeline, build_mesh, compose
+from distrain.parallelism.capabilities import declared
+from distrain.parallelism.hybrid import build_mesh, compose
+from distrain.parallelism.layout import Layout
 from distrain.parallelism.pipeline import PipelineStrategy, rank_stages, split_stages
 from distrain.parallelism.recompute import apply_activation_checkpointing, saved_activation_bytes
-from distrain.parallelism.single import SingleProcessStrategy
 from distrain.parallelism.zero import ZeroStrategy
 from distrain.planning.context_expert import not_gathered, whole_model_activations
 from distrain.planning.memory import local, predicted_model_state
@@ -84,7 +84,7 @@ class Workload:
 class _Layout:
     """A torch-native strategy as mesh degrees and how its data-parallel axis holds the model."""
 
-    degrees: MeshDegrees
+    degrees: Layout
     dp_holds: str  # replicate (DDP, FSDP2's replicate) | shard (FSDP2)
     fsdp_stage: int = 3
     sequence_parallel: bool = False
@@ -92,48 +92,32 @@ class _Layout:
     pipeline: PipelineStrategy | None = None
 
 
-def _layout(strategy: object, world_size: int, ranks_per_node: int | None = None) -> _Layout:
-    if isinstance(strategy, (_ComposedModel, _ComposedPipeline)):
-        spec = strategy.layout
-        degrees = spec.degrees(world_size, ranks_per_node)
-        holds = "shard" if spec.dp_mode == "fsdp" else "replicate"
-        tensor = strategy if isinstance(strategy, _ComposedModel) else None
-        return _Layout(
-            degrees,
-            holds,
-            spec.fsdp_stage,
-            sequence_parallel=bool(tensor and tensor.sequence_parallel),
-            loss_parallel=bool(tensor and tensor.loss_parallel),
-            pipeline=strategy if isinstance(strategy, _ComposedPipeline) else None,
-        )
-    if isinstance(strategy, (DDPStrategy, SingleProcessStrategy)):
-        return _Layout(MeshDegrees(pp=1, dp=world_size, tp=1), "replicate")
-    raise TypeError(f"no memory plan for {type(strategy).__name__}")
-
-
-def mesh_degrees(strategy: object, world_size: int, ranks_per_node: int | None = None) -> MeshDegrees:
-    """The mesh degrees ``strategy`` runs at on ``world_size`` ranks (ZeRO and the data-parallel strategies: every
-    rank on dp). No collective."""
-    if isinstance(strategy, ZeroStrategy):
-        return MeshDegrees(pp=1, dp=world_size, tp=1)
-    return _layout(strategy, world_size, ranks_per_node).degrees
+def _plan_layout(strategy: object, layout: Layout) -> _Layout:
+    """What the planner needs of a torch-native strategy: its resolved layout and its tensor and pipeline options."""
+    return _Layout(
+        layout,
+        layout.dp_holds,
+        layout.stage or 3,
+        sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
+        loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
+        pipeline=strategy if isinstance(strategy, PipelineStrategy) else None,
+    )
 
 
 def predict_rank_memory(
     strategy: object,
     *,
+    layout: Layout,
     new_model: ModelFactory,
-    world_size: int,
     precision: PrecisionPolicy,
     workload: Workload,
-    ranks_per_node: int | None = None,
 ) -> list[RankMemory]:
-    """Predicted memory of every distinct kind of rank of ``strategy`` (an instantiated ``parallelism`` target) at
-    ``world_size`` ranks: one row, or one per pipeline rank. Needs a default process group of ``world_size`` ranks
-    (the fake one: no collective runs) for all but DDP, single and ZeRO."""
-    if isinstance(strategy, ZeroStrategy):
-        return [_zero(strategy, new_model, world_size, precision, workload)]
-    layout = _layout(strategy, world_size, ranks_per_node)
+    """Predicted memory of every distinct kind of rank of ``strategy`` (an instantiated ``parallelism`` target) in
+    ``layout`` (its config's, resolved for the target): one row, or one per pipeline rank. Needs a default process
+    group of the layout's world size (the fake one: no collective runs) for all but the replicated layouts and ZeRO."""
+    if declared(strategy).deepspeed_optimizer:
+        return [_zero(strategy, new_model, layout.world_size, precision, workload)]
+    layout = _plan_layout(strategy, layout)
     mesh = None
     if layout.degrees.tp > 1 or layout.degrees.pp > 1 or layout.dp_holds == "shard":
         mesh = build_mesh(layout.degrees, "cpu", "fsdp" if layout.dp_holds == "shard" else "replicate")
@@ -209,7 +193,7 @@ def _rank_modules(
         return modules
     degrees = layout.degrees
     if not shard:
-        degrees = MeshDegrees(pp=degrees.pp, dp=1, tp=degrees.tp)
+        degrees = Layout(pp=degrees.pp, dp=1, tp=degrees.tp)
     for module in modules:
         compose(
             module,

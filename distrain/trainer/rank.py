@@ -31,6 +31,7 @@ from distrain.launch.ranks import resume_setting
 from distrain.monitor.profiler import StepProfiler
 from distrain.parallelism.compile import compile_report
 from distrain.parallelism.describe import layout_description
+from distrain.parallelism.layout import layout_of
 from distrain.planning.memory import predicted_state_for_summary
 from distrain.trainer.agreement import StepAgreement
 from distrain.trainer.build import RankRun, build
@@ -133,18 +134,17 @@ def train_run(cfg: DictConfig, env: DistEnv, run: RankRun, state: TrainState, ru
 def run_facts(cfg: DictConfig, env: DistEnv, run: RankRun) -> dict[str, Any]:
     """What ``summary.json`` states beside the loop's results: layout, batch, predicted memory, compile report and
     nodes. Collective: one all_gather_object of the host names."""
+    layout = layout_of(cfg.parallelism, env.world_size, env.local_world_size)  # as the strategy resolved it
     facts = {
         "world_size": env.world_size,
         "parallelism": run.strategy.name,
-        "layout": layout_description(cfg.parallelism, run.strategy),
+        "layout": layout_description(cfg.parallelism, layout),
         "comm": cfg.comm.name,
         "optimizer": cfg.optimizer._target_.rsplit(".", 1)[-1],
         "precision": cfg.precision.name,
         "model_parameters": run.model_parameters,
         **run.data.sampler.batch_settings(),
-        "predicted_model_state_bytes": predicted_state_for_summary(
-            cfg, run.strategy, env.world_size, run.model_parameters
-        ),
+        "predicted_model_state_bytes": predicted_state_for_summary(cfg, layout, run.model_parameters),
     }
     if cfg.compile and not run.strategy.compile_unsupported:
         report = compile_report()

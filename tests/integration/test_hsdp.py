@@ -7,7 +7,7 @@ import pytest
 from helpers import FAST, REPO, compose_config, run_train
 
 from distrain.config.validate import ConfigError, validate
-from distrain.parallelism.hybrid import MeshDegrees
+from distrain.parallelism.layout import Layout
 
 FOUR = [*FAST, "distributed.nproc_per_node=4", "trainer.max_steps=4", "trainer.log_every=1"]
 
@@ -36,8 +36,8 @@ def test_hsdp_on_2x2_has_ddps_losses_and_half_its_model_state(tmp_path):
 
 
 def test_the_default_is_one_copy_per_node():
-    assert MeshDegrees.resolve(dp=-1, tp=1, pp=1, world_size=16, replicate=-1, ranks_per_node=8).replicate == 2
-    assert MeshDegrees.resolve(dp=-1, tp=1, pp=1, world_size=16, replicate=-1, ranks_per_node=8).dp == 8
+    assert Layout.resolve(dp=-1, tp=1, pp=1, world_size=16, replicate=-1, ranks_per_node=8).replicate == 2
+    assert Layout.resolve(dp=-1, tp=1, pp=1, world_size=16, replicate=-1, ranks_per_node=8).dp == 8
     with pytest.raises(ConfigError, match="parallelism.dp.*product is the world size 2"):
         validate(compose_config([*FAST, "parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"]))
 

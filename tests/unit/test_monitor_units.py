@@ -107,40 +107,30 @@ def test_the_summary_table_says_no_validation_apart_from_a_diverged_one():
 
 
 @pytest.mark.parametrize(
-    "preset, degrees, expected",
+    "overrides, world_size, expected",
     [
-        ({"name": "ddp"}, None, "ddp"),
-        ({"name": "zero", "stage": 3, "_target_": "distrain.parallelism.zero.ZeroStrategy"}, None, "zero stage 3"),
-        (
-            {"name": "hsdp", "dp_mode": "fsdp", "fsdp_stage": 3},
-            dict(replicate=2, dp=2),
-            "hsdp (dp_replicate 2 x dp 2, fsdp stage 3)",
-        ),
-        ({"name": "fsdp", "dp_mode": "fsdp", "fsdp_stage": 2}, dict(dp=4), "fsdp (dp 4, fsdp stage 2)"),
-        (
-            {"name": "hybrid", "dp_mode": "replicate", "fsdp_stage": 3},
-            dict(dp=2, tp=2),
-            "hybrid (dp 2 x tp 2, dp replicated)",
-        ),
-        (
-            {"name": "hybrid", "dp_mode": "fsdp", "fsdp_stage": 3},
-            dict(dp=4, ep=2),
-            "hybrid (dp 4; ep 2 of dp, fsdp stage 3)",
-        ),
-        ({"name": "pipeline", "dp_mode": "fsdp", "fsdp_stage": 3}, dict(pp=2), "pipeline (pp 2)"),
-        ({"name": "hybrid", "dp_mode": "fsdp", "fsdp_stage": 3}, dict(cp=2), "hybrid (cp 2, fsdp stage 3)"),
+        (["parallelism=ddp"], 2, "ddp"),
+        (["parallelism=zero", "parallelism.stage=3"], 2, "zero stage 3"),
+        (["parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"], 4,
+         "hsdp (dp_replicate 2 x dp 2, fsdp stage 3)"),
+        (["parallelism=fsdp", "parallelism.fsdp_stage=2"], 4, "fsdp (dp 4, fsdp stage 2)"),
+        (["parallelism=hybrid", "parallelism.dp=2", "parallelism.tp=2", "parallelism.dp_mode=replicate"], 4,
+         "hybrid (dp 2 x tp 2, dp replicated)"),
+        (["parallelism=hybrid", "parallelism.ep=2"], 4, "hybrid (dp 4; ep 2 of dp, fsdp stage 3)"),
+        (["parallelism=pipeline"], 2, "pipeline (pp 2)"),
+        (["parallelism=hybrid", "parallelism.cp=2"], 2, "hybrid (cp 2, fsdp stage 3)"),
     ],
-)
+)  # fmt: skip
 def test_the_layout_line_names_the_degrees_whose_product_is_the_world_and_how_dp_holds_the_model(
-    preset, degrees, expected
+    overrides, world_size, expected
 ):
-    from types import SimpleNamespace
-
-    from omegaconf import OmegaConf
+    """The summary's layout line, from the one layout every strategy's config resolves to."""
+    from helpers import compose_config
 
     from distrain.parallelism.describe import layout_description
-    from distrain.parallelism.hybrid import MeshDegrees
+    from distrain.parallelism.layout import layout_of
 
-    mesh = None if degrees is None else MeshDegrees(**{"pp": 1, "dp": 1, "tp": 1} | degrees)
-    strategy = SimpleNamespace() if mesh is None else SimpleNamespace(degrees=mesh)
-    assert layout_description(OmegaConf.create(preset), strategy) == expected
+    cfg = compose_config(overrides)
+    layout = layout_of(cfg.parallelism, world_size, ranks_per_node=world_size)
+    assert layout.world_size == world_size
+    assert layout_description(cfg.parallelism, layout) == expected
