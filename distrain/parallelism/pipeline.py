@@ -34,6 +34,7 @@ from distrain.parallelism.base import (
     scale_to_norm,
     squared_grad_norm,
 )
+from distrain.parallelism.layout import Layout
 from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.planning.memory import measure_torch_model_state
 
@@ -116,6 +117,12 @@ class PipelineStrategy(LocalBackwardStrategy):
     Each step reports the stage's measured idle fraction (the bubble) beside the schedule's theoretical one:
     busy is the time in this rank's forward and backward chunks, idle the rest of the schedule's time.
     """
+
+    @staticmethod
+    def resolve_layout(parallelism: Any, world_size: int, ranks_per_node: int | None = None, **_: Any) -> Layout:
+        """A pipeline over every rank: the target of ``parallelism=pipeline`` checkpoints saved before it became a
+        preset of the mesh layout."""
+        return Layout(pp=world_size)
 
     compile_unsupported = "the schedule runs each stage's forward and backward itself (not compiled here)"
 

@@ -106,7 +106,8 @@ def test_a_pipeline_checkpoint_is_matched_by_its_resolved_stages(parallelism, ra
 
 
 def test_a_pipeline_checkpoint_from_before_the_presets_spans_every_rank():
-    saved = OmegaConf.create({"name": "pipeline", "schedule": "1f1b", "microbatches": 4, "split_points": []})
+    old = {"_target_": "distrain.parallelism.pipeline.PipelineStrategy", "name": "pipeline"}  # its saved config
+    saved = OmegaConf.create({**old, "schedule": "1f1b", "microbatches": 4, "split_points": []})
     assert pipeline_layout(saved, 2) == (2, 1, ())
 
 
