@@ -1,5 +1,5 @@
 """Each option's own checks. The ``_target_`` of a config group's option (a class or function, distrain's or one
-in the user's package) may declare ``check_config(cfg, world_size) -> list[str]``: validation calls it once, in
+in the user's package) may declare ``check_config(cfg, placement) -> list[str]``: validation calls it once, in
 the launching process before any rank starts, after the checks every option shares. It raises
 ``distrain.config.checks.ConfigError`` for a value it cannot take and returns warning lines for the rest.
 
@@ -8,6 +8,7 @@ A target that cannot be imported is refused here in one line naming the key, bef
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.utils import get_object
@@ -15,7 +16,19 @@ from omegaconf import DictConfig
 
 from distrain.config.checks import ConfigError
 
-GROUPS = ("model", "data", "parallelism", "comm", "optimizer", "precision")
+# A model family checks itself through its ModelSpec (``spec.check_config``), a tracker through its ``check``.
+GROUPS = ("parallelism", "comm", "optimizer", "precision")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the job runs, as its checks see it: the world size, the ranks per node, the device type, and whether
+    this is a dry run planning for another machine (checks about this machine are then skipped)."""
+
+    world_size: int
+    ranks_per_node: int
+    device_type: str
+    planning: bool = False
 
 
 def option_of(cfg: DictConfig, group: str) -> Any | None:
@@ -31,11 +44,11 @@ def option_of(cfg: DictConfig, group: str) -> Any | None:
         raise ConfigError(f"{group}._target_", target, f"an importable class or function ({reason})") from None
 
 
-def own_checks(cfg: DictConfig, world_size: int) -> list[str]:
+def own_checks(cfg: DictConfig, placement: Placement) -> list[str]:
     """Run every selected option's ``check_config``; return their warning lines."""
     notes: list[str] = []
     for group in GROUPS:
         check_config = getattr(option_of(cfg, group), "check_config", None)
         if callable(check_config):
-            notes.extend(check_config(cfg, world_size) or ())
+            notes.extend(check_config(cfg, placement) or ())
     return notes

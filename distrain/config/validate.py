@@ -22,7 +22,7 @@ from distrain.artifacts.token_dataset import inspect_token_dataset
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.comm.checks import validate_comm
 from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
-from distrain.config.options import own_checks
+from distrain.config.options import Placement, own_checks
 from distrain.data.corpus import CorpusTooSmall
 from distrain.data.sampler import GlobalBatchSampler, longest_window, token_windows
 from distrain.data.token_format import DataError
@@ -34,11 +34,8 @@ from distrain.optim.checks import validate_optimizer
 from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.checks import (
     adopt_renamed_keys,
-    is_mesh_layout,
     meta_model,
-    single_copy_note,
     spec_for_config,
-    validate_hybrid,
     validate_sharding,
 )
 from distrain.parallelism.compile import backend_problem
@@ -145,13 +142,10 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     derive_accumulation(cfg, world_size, local)  # before the pipeline checks, which divide the step's sequences
     for note in validate_comm(cfg, world_size):
         log.warning(note)
-    for note in own_checks(cfg, world_size):  # each option's check_config, distrain's or the user's own
+    validate_sharding(cfg)
+    placement = Placement(world_size, local, device_type, planning=target is not None)
+    for note in own_checks(cfg, placement):  # each option's check_config, distrain's or the user's own
         log.warning(note)
-    validate_sharding(cfg, device_type)
-    if is_mesh_layout(cfg):
-        validate_hybrid(cfg, world_size, ranks_per_node=local)
-        if not target and (note := single_copy_note(cfg, world_size, local)):
-            log.warning(note)
     validate_data_fits(cfg, world_size, local)  # after the degrees are known to be valid
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc, world_size=world_size)
 

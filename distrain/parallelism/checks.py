@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from distrain.config.checks import ConfigError, at_least, check
+from distrain.config.options import Placement
 from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
 from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.layout import Layout, layout_of
@@ -122,15 +123,10 @@ def raise_problem(cfg: DictConfig, problem: ConfigProblem | str | None, strategy
         raise ConfigError("model", model_name(cfg), f"a model {strategy} can split: {problem}")
 
 
-def validate_sharding(cfg: DictConfig, device_type: str) -> None:
-    """Stages, offload and precision for the sharded strategies (zero, and the mesh layouts that shard over dp)."""
+def validate_sharding(cfg: DictConfig) -> None:
+    """The sharding stage: one the strategy takes (ZeRO's, or FSDP's on a mesh layout that shards over dp), and
+    none given to one that does not shard."""
     strategy, stages = cfg.parallelism.name, sharding_stages(cfg)
-    if is_mesh_layout(cfg) and cfg.parallelism.cpu_offload:
-        if device_type != "cuda":
-            allowed = "false on cpu: offload moves shards from GPU to CPU memory; on cpu they are there"
-            raise ConfigError("parallelism.cpu_offload", True, allowed)
-        if cfg.parallelism.dp_mode != "fsdp":
-            raise ConfigError("parallelism.cpu_offload", True, "false with dp_mode=replicate (it offloads FSDP shards)")
     if not stages:
         if cfg.stage is not None:
             allowed = f"parallelism={strategy} takes no stage; stages apply to {STAGE_TAKERS}"
@@ -141,23 +137,42 @@ def validate_sharding(cfg: DictConfig, device_type: str) -> None:
     key = "stage" if cfg.stage is not None else f"parallelism.{own_key}"
     if stage not in stages:
         raise ConfigError(key, stage, f"parallelism={strategy} takes stage {' or '.join(map(str, stages))}")
-    if strategy == "zero":
-        if importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError("parallelism", "zero", "DeepSpeed is not installed (pip install deepspeed)")
-        for option in ("offload_optimizer", "offload_param"):
-            if cfg.parallelism[option] != "none" and device_type != "cuda":
-                raise ConfigError(
-                    f"parallelism.{option}", cfg.parallelism[option], "none on cpu (offload moves GPU state to CPU)"
-                )
-        if cfg.parallelism.offload_param != "none" and stage != 3:
-            raise ConfigError("parallelism.offload_param", cfg.parallelism.offload_param, "none below stage 3")
-        if device_type == "cpu" and cfg.precision.compute_dtype == "float16":
-            raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with DeepSpeed on cpu (no fp16 there)")
-        sizes = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
-        for size in (*sizes, "stage3_max_live_parameters"):
-            allowed = "a number of elements > 0 (or null: sized to the model)"
-            check(cfg, f"parallelism.{size}", lambda v: v is None or v > 0, allowed)
-        check(cfg, "parallelism.stage3_param_persistence_threshold", at_least(0), "a number of elements >= 0")
+
+
+def check_zero(cfg: DictConfig, placement: Placement) -> list[str]:
+    """``parallelism=zero``'s own checks (``ZeroStrategy.check_config``): DeepSpeed installed, offload only from a
+    GPU (and parameters only at stage 3), no fp16 on cpu, positive bucket sizes."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("parallelism", cfg.parallelism.name, "DeepSpeed is not installed (pip install deepspeed)")
+    for option in ("offload_optimizer", "offload_param"):
+        if cfg.parallelism[option] != "none" and placement.device_type != "cuda":
+            raise ConfigError(
+                f"parallelism.{option}", cfg.parallelism[option], "none on cpu (offload moves GPU state to CPU)"
+            )
+    if cfg.parallelism.offload_param != "none" and cfg.parallelism.stage != 3:
+        raise ConfigError("parallelism.offload_param", cfg.parallelism.offload_param, "none below stage 3")
+    if placement.device_type == "cpu" and cfg.precision.compute_dtype == "float16":
+        raise ConfigError("precision", cfg.precision.name, "fp32 or bf16 with DeepSpeed on cpu (no fp16 there)")
+    sizes = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+    for size in (*sizes, "stage3_max_live_parameters"):
+        allowed = "a number of elements > 0 (or null: sized to the model)"
+        check(cfg, f"parallelism.{size}", lambda v: v is None or v > 0, allowed)
+    check(cfg, "parallelism.stage3_param_persistence_threshold", at_least(0), "a number of elements >= 0")
+    return []
+
+
+def check_mesh(cfg: DictConfig, placement: Placement) -> list[str]:
+    """The mesh layout's own checks (``HybridStrategy.check_config``): offload, the degrees against the world size,
+    each axis's rules; the note that an hsdp job on one node holds one copy (not on a dry run's target)."""
+    if cfg.parallelism.cpu_offload:
+        if placement.device_type != "cuda":
+            allowed = "false on cpu: offload moves shards from GPU to CPU memory; on cpu they are there"
+            raise ConfigError("parallelism.cpu_offload", True, allowed)
+        if cfg.parallelism.dp_mode != "fsdp":
+            raise ConfigError("parallelism.cpu_offload", True, "false with dp_mode=replicate (it offloads FSDP shards)")
+    validate_hybrid(cfg, placement.world_size, ranks_per_node=placement.ranks_per_node)
+    note = None if placement.planning else single_copy_note(cfg, placement.world_size, placement.ranks_per_node)
+    return [note] if note else []
 
 
 def validate_pipeline(cfg: DictConfig, world_size: int) -> None:

@@ -47,6 +47,7 @@ from distrain.parallelism.base import (
     clip_grad_norm_across_meshes,
 )
 from distrain.parallelism.capabilities import Capabilities
+from distrain.parallelism.checks import check_mesh
 from distrain.parallelism.context import ContextParallel, shard_sequence
 from distrain.parallelism.fsdp import shard_blocks_and_root
 from distrain.parallelism.layout import Layout
@@ -260,6 +261,7 @@ def resolve_hybrid_layout(
 
 HybridStrategy.capabilities = Capabilities(device_mesh=True)  # any ranks, DCP checkpoints that reshard
 HybridStrategy.resolve_layout = resolve_hybrid_layout
+HybridStrategy.check_config = check_mesh  # its own checks before any rank starts
 
 
 class _ComposedModel(LocalBackwardStrategy):

@@ -30,6 +30,7 @@ from distrain.optim.groups import base_lr
 from distrain.optim.muon import Muon
 from distrain.parallelism.base import NonFiniteGradientError, StepResult, StrategyContext
 from distrain.parallelism.capabilities import Capabilities
+from distrain.parallelism.checks import check_zero
 from distrain.parallelism.layout import Layout
 from distrain.planning.memory import ModelStateBytes, StorageCounter, optimizer_state_tensors, reachable_tensors
 from distrain.trainer.faults import maybe_inject_fault
@@ -86,6 +87,11 @@ class ZeroStrategy:
         deepspeed_optimizer=True,
         memory_formula="zero",
     )
+
+    @staticmethod
+    def check_config(cfg: Any, placement: Any) -> list[str]:
+        """Its own checks before any rank starts (``distrain.parallelism.checks.check_zero``)."""
+        return check_zero(cfg, placement)
 
     @staticmethod
     def resolve_layout(parallelism: Any, world_size: int, ranks_per_node: int | None = None, **_: Any) -> Layout:

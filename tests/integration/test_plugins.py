@@ -31,7 +31,7 @@ class RoundedComm(DDPComm):
     """Averages each gradient bucket after rounding it to bfloat16 precision."""
 
     @staticmethod
-    def check_config(cfg, world_size):
+    def check_config(cfg, placement):
         if cfg.comm.bucket_cap_mb > 16:
             raise ConfigError("comm.bucket_cap_mb", cfg.comm.bucket_cap_mb, "at most 16 with comm=rounded")
         return []
@@ -65,7 +65,7 @@ def plain_sgd(named_parameters, lr, **unused):
     return torch.optim.SGD([p for _, p in named_parameters], lr=lr)
 
 
-def _check_plain_sgd(cfg, world_size):
+def _check_plain_sgd(cfg, placement):
     if cfg.optimizer.lr > 1:
         raise ConfigError("optimizer.lr", cfg.optimizer.lr, "at most 1 for optimizer=plain")
     return ["optimizer=plain: the user's own check ran"]
