@@ -85,7 +85,7 @@ def prepare_checkpoint_dir(
     return source if checkpoint_step(source) >= cfg.trainer.max_steps else None
 
 
-def pipeline_layout(parallelism: DictConfig, world_size: int) -> tuple[int, int, tuple[int, ...]] | None:
+def pipeline_stages(parallelism: DictConfig, world_size: int) -> tuple[int, int, tuple[int, ...]] | None:
     """How a layout splits the model into pipeline stages on ``world_size`` ranks: (pp resolved, stages per rank,
     split points), or None when it has no pipeline. What a pipeline checkpoint's per-stage optimizer state needs."""
     try:
@@ -99,7 +99,7 @@ def pipeline_layout(parallelism: DictConfig, world_size: int) -> tuple[int, int,
 
 
 def describe_pipeline(parallelism: DictConfig, world_size: int) -> str:
-    layout = pipeline_layout(parallelism, world_size)
+    layout = pipeline_stages(parallelism, world_size)
     if layout is None:
         return f"parallelism={parallelism.name} without a pipeline"
     pp, virtual, split = layout
@@ -165,7 +165,7 @@ def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
         formats = FORMAT_NAMES.get(saved_format, f"the {saved_format} format")
         raise ConfigError("parallelism", cfg.parallelism.name, f"a strategy that reads {formats}, {where}")
     saved_ranks = checkpoint_world_size(checkpoint) or world_size
-    saved_stages, stages = pipeline_layout(saved.parallelism, saved_ranks), pipeline_layout(cfg.parallelism, world_size)
+    saved_stages, stages = pipeline_stages(saved.parallelism, saved_ranks), pipeline_stages(cfg.parallelism, world_size)
     if (saved_stages or stages) and saved_stages != stages:
         raise ConfigError(
             "parallelism",

@@ -126,7 +126,7 @@ def compose(
 
 
 @dataclass(frozen=True)
-class HybridLayout:
+class ConfiguredMesh:
     """The configured degrees (``dp=-1``: the rest of the world size) and how the dp axis holds the model."""
 
     dp: int
@@ -216,7 +216,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     ``parallelism=fsdp``, ``hsdp``, ``tensor`` and ``pipeline`` are presets of this strategy (config files that set
     the degrees: fsdp ``dp=-1``; hsdp ``dp_replicate=-1 dp=-1``; tensor ``dp=1 tp=-1``; pipeline ``dp=1 pp=-1``).
     """
-    layout = HybridLayout(
+    configured = ConfiguredMesh(
         dp=dp,
         tp=tp,
         pp=pp,
@@ -229,7 +229,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     )
     if pp != 1:  # -1: a pipeline over the ranks the other degrees leave
         return _ComposedPipeline(
-            layout,
+            configured,
             name=name,
             schedule=schedule,
             microbatches=pipeline_microbatches if microbatches is None else microbatches,
@@ -237,16 +237,16 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
             split_points=split_points,
             activation_checkpointing=activation_checkpointing,
         )
-    return _ComposedModel(layout, name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    return _ComposedModel(configured, name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
 def resolve_hybrid_layout(
     parallelism: Any, world_size: int, ranks_per_node: int | None = None, *, with_experts: bool = True
 ) -> Layout:
     """The layout a ``parallelism=hybrid`` config (or a preset of it) resolves to; ValueError when its degrees do not
-    fit ``world_size``. The same resolution the strategy's setup makes (``HybridLayout.degrees``)."""
+    fit ``world_size``. The same resolution the strategy's setup makes (``ConfiguredMesh.degrees``)."""
     stage = parallelism.get("stage") or parallelism.get("fsdp_stage", 3)  # the old name wins when set
-    configured = HybridLayout(
+    configured = ConfiguredMesh(
         dp=int(parallelism.get("dp", 1)),
         tp=int(parallelism.get("tp", 1)),
         pp=int(parallelism.get("pp", 1)),
@@ -268,15 +268,17 @@ class _ComposedModel(LocalBackwardStrategy):
     """pp == 1: the whole model, tensor-parallel on ``tp``, its experts split on ``ep``, FSDP-sharded (or replicated)
     on ``dp`` (x ``cp``), each sequence split over ``cp``."""
 
-    def __init__(self, layout: HybridLayout, *, name: str, sequence_parallel: bool, loss_parallel: bool) -> None:
+    def __init__(self, configured: ConfiguredMesh, *, name: str, sequence_parallel: bool, loss_parallel: bool) -> None:
         self.name, self.sequence_parallel, self.loss_parallel = name, sequence_parallel, loss_parallel
-        self.layout = layout
+        self.configured = configured
 
     def loss_context(self) -> AbstractContextManager[None]:
         return vocabulary_parallel_loss() if self.loss_parallel else contextlib.nullcontext()
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
-        self.mesh, self.degrees = self.layout.build(ctx.env.world_size, ctx.env.device.type, ctx.env.local_world_size)
+        self.mesh, self.degrees = self.configured.build(
+            ctx.env.world_size, ctx.env.device.type, ctx.env.local_world_size
+        )
         super().setup(model, ctx)
 
     def wrap(self, model: nn.Module, ctx: StrategyContext) -> nn.Module:
@@ -289,10 +291,10 @@ class _ComposedModel(LocalBackwardStrategy):
             self.mesh,
             self.degrees,
             ctx.precision,
-            self.layout.fsdp_stage,
+            self.configured.fsdp_stage,
             self.sequence_parallel,
             self.loss_parallel,
-            self.layout.cpu_offload,
+            self.configured.cpu_offload,
         )
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
@@ -321,7 +323,7 @@ class _ComposedModel(LocalBackwardStrategy):
         return clip_grad_norm_across_meshes(self.model.parameters(), max_norm).detach()
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[None]:
-        if self.degrees.data_parallel * self.degrees.cp > 1 or self.layout.cpu_offload:  # FSDP-wrapped
+        if self.degrees.data_parallel * self.degrees.cp > 1 or self.configured.cpu_offload:  # FSDP-wrapped
             self.model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
@@ -334,21 +336,28 @@ class _ComposedPipeline(PipelineStrategy):
     """pp != 1: pipeline stages over ``pp``, each tensor-parallel on ``tp`` and FSDP-sharded (or replicated) on
     ``dp``."""
 
-    def __init__(self, layout: HybridLayout, **pipeline: Any) -> None:
+    def __init__(self, configured: ConfiguredMesh, **pipeline: Any) -> None:
         super().__init__(**pipeline)
-        self.layout = layout
+        self.configured = configured
 
     def setup(self, model: nn.Module, ctx: StrategyContext) -> None:
-        self.mesh, self.degrees = self.layout.build(ctx.env.world_size, ctx.env.device.type, ctx.env.local_world_size)
+        self.mesh, self.degrees = self.configured.build(
+            ctx.env.world_size, ctx.env.device.type, ctx.env.local_world_size
+        )
         super().setup(model, ctx)
 
     def pipeline_ranks(self, ctx: Any) -> tuple[int, int, dist.ProcessGroup | None]:
         return self.mesh["pp"].get_local_rank(), self.degrees.pp, self.mesh["pp"].get_group()
 
     def parallelize_stage(self, module: nn.Module) -> nn.Module:
-        layout = self.layout
+        configured = self.configured
         return compose(
-            module, self.mesh, self.degrees, self.ctx.precision, layout.fsdp_stage, cpu_offload=layout.cpu_offload
+            module,
+            self.mesh,
+            self.degrees,
+            self.ctx.precision,
+            configured.fsdp_stage,
+            cpu_offload=configured.cpu_offload,
         )
 
     @property

@@ -163,7 +163,7 @@ def predicted_model_state(
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
 
 
-def formula_layout(cfg: DictConfig, layout: Layout) -> tuple[str, int, int | None] | None:
+def memory_formula_of(cfg: DictConfig, layout: Layout) -> tuple[str, int, int | None] | None:
     """The ZeRO formulas' name for a data-parallel layout, the ranks it shards (or replicates) over and its stage:
     the strategy's declared formula when it has no mesh (single, ddp, zero), else ``fsdp`` over the resolved dp when
     dp shards (replicas hold copies), ``ddp`` when it replicates; None for model-parallel layouts, which
@@ -186,7 +186,7 @@ def predicted_model_state_bytes(**layout: object) -> int:
 def predicted_state_for_summary(cfg: DictConfig, layout: Layout, num_params: int) -> int | None:
     """summary.json's ``predicted_model_state_bytes``: the ZeRO formulas for a data-parallel layout, None for a
     model-parallel one (``dry_run=true`` plans those)."""
-    formula = formula_layout(cfg, layout)
+    formula = memory_formula_of(cfg, layout)
     if formula is None:
         return None
     name, ranks, stage = formula

@@ -81,7 +81,7 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _PlanInput:
     """A torch-native strategy as mesh degrees and how its data-parallel axis holds the model."""
 
     degrees: Layout
@@ -92,9 +92,9 @@ class _Layout:
     pipeline: PipelineStrategy | None = None
 
 
-def _plan_layout(strategy: object, layout: Layout) -> _Layout:
+def _plan_input(strategy: object, layout: Layout) -> _PlanInput:
     """What the planner needs of a torch-native strategy: its resolved layout and its tensor and pipeline options."""
-    return _Layout(
+    return _PlanInput(
         layout,
         layout.dp_holds,
         layout.stage or 3,
@@ -117,7 +117,7 @@ def predict_rank_memory(
     group of the layout's world size (the fake one: no collective runs) for all but the replicated layouts and ZeRO."""
     if declared(strategy).deepspeed_optimizer:
         return [_zero(strategy, new_model, layout.world_size, precision, workload)]
-    layout = _plan_layout(strategy, layout)
+    layout = _plan_input(strategy, layout)
     mesh = None
     if layout.degrees.tp > 1 or layout.degrees.pp > 1 or layout.dp_holds == "shard":
         mesh = build_mesh(layout.degrees, "cpu", "fsdp" if layout.dp_holds == "shard" else "replicate")
@@ -165,7 +165,7 @@ def predict_rank_memory(
 
 def _rank_modules(
     new_model: ModelFactory,
-    layout: _Layout,
+    layout: _PlanInput,
     pp_rank: int,
     stages_total: int,
     precision: PrecisionPolicy,
@@ -223,7 +223,7 @@ def _whole_bytes(module: nn.Module, skip: Collection[int] = ()) -> int:
     return sum(local(p).numel() * local(p).element_size() for p in module.parameters() if id(p) not in skip)
 
 
-def _gathered_bytes(computing: Sequence[nn.Module], layout: _Layout, skip: Collection[int] = ()) -> int:
+def _gathered_bytes(computing: Sequence[nn.Module], layout: _PlanInput, skip: Collection[int] = ()) -> int:
     """FSDP's all-gathered parameters (in the compute dtype) while a rank computes: the root's, plus the two largest
     blocks' (stage 3) or every block's (stage 2). FSDP shards over dp x cp; the parameters of ``skip`` (ids: the
     experts under ep) are not FSDP's to gather."""

@@ -9,7 +9,7 @@ from helpers import FAST, REPO, compose_config, run_train
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from distrain.checkpoint.preflight import pipeline_layout
+from distrain.checkpoint.preflight import pipeline_stages
 from distrain.config.validate import ConfigError, validate
 from distrain.parallelism.checks import hybrid_degrees
 from distrain.parallelism.hybrid import _ComposedModel, _ComposedPipeline
@@ -102,13 +102,13 @@ def test_a_presets_bad_setting_names_the_key_the_user_set(overrides, ranks, key)
     ],
 )
 def test_a_pipeline_checkpoint_is_matched_by_its_resolved_stages(parallelism, ranks, stages):
-    assert pipeline_layout(compose_config([*FAST, *parallelism]).parallelism, ranks) == stages
+    assert pipeline_stages(compose_config([*FAST, *parallelism]).parallelism, ranks) == stages
 
 
 def test_a_pipeline_checkpoint_from_before_the_presets_spans_every_rank():
     old = {"_target_": "distrain.parallelism.pipeline.PipelineStrategy", "name": "pipeline"}  # its saved config
     saved = OmegaConf.create({**old, "schedule": "1f1b", "microbatches": 4, "split_points": []})
-    assert pipeline_layout(saved, 2) == (2, 1, ())
+    assert pipeline_stages(saved, 2) == (2, 1, ())
 
 
 def test_old_key_names_still_work_and_name_the_new_key_in_one_line(tmp_path):
