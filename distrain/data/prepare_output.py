@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +38,8 @@ COMPARED = ("version", "inputs", "settings", "tokenizer_source")  # what must ma
 
 
 class ShardWriter:
-    """One split's shards: ids appended in order, a new file every ``shard_tokens`` ids, SHA-256 computed while
-    writing (no second read), each shard flushed to disk when closed."""
+    """One split's shards: ids appended in order, a new file every ``shard_tokens`` ids, SHA-256 and CRC-32
+    computed while writing (no second read), each shard flushed to disk when closed."""
 
     def __init__(self, directory: Path, split: str, dtype: str, shard_tokens: int) -> None:
         self.directory, self.split, self.shard_tokens, self.dtype_name = directory, split, shard_tokens, dtype
@@ -47,7 +48,7 @@ class ShardWriter:
         self.shards: list[Shard] = []
         self.tokens = self.documents = self.max_token_id = 0
         self._file = self._digest = None
-        self._name, self._in_shard = "", 0
+        self._name, self._in_shard, self._crc = "", 0, 0
 
     def write(self, ids: np.ndarray, documents: int, max_token_id: int) -> None:
         """Append ``ids`` (``documents`` whole documents, EOS included), splitting it where a shard fills up."""
@@ -62,6 +63,7 @@ class ShardWriter:
             payload = piece.tobytes()
             self._file.write(payload)
             self._digest.update(payload)
+            self._crc = zlib.crc32(payload, self._crc)
             self._in_shard += piece.size
             self.tokens += piece.size
             if self._in_shard == self.shard_tokens:
@@ -91,12 +93,14 @@ class ShardWriter:
     def _open(self) -> None:
         self._name = f"{self.split}-{len(self.shards):05d}.bin"
         self._file, self._digest, self._in_shard = open(self.directory / self._name, "wb"), hashlib.sha256(), 0
+        self._crc = 0
 
     def _close(self) -> None:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        self.shards.append(Shard(file=self._name, tokens=self._in_shard, sha256=self._digest.hexdigest()))
+        digests = {"sha256": self._digest.hexdigest(), "crc32": f"{self._crc:08x}"}
+        self.shards.append(Shard(file=self._name, tokens=self._in_shard, **digests))
         self._file = self._digest = None
 
 

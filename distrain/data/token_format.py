@@ -13,7 +13,7 @@ An index (one per split) is a small JSON object::
 
     {"format": "distrain.tokens", "version": 1, "split": "train", "dtype": "uint16", "vocab_size": 32000,
      "eos_id": 0, "tokenizer": "tokenizer.json", "documents": 9120, "tokens": 41234567, "max_token_id": 31999,
-     "shards": [{"file": "train-00000.bin", "tokens": 33554432, "sha256": "9f2c..."}, ...]}
+     "shards": [{"file": "train-00000.bin", "tokens": 33554432, "sha256": "9f2c...", "crc32": "5d1e04a7"}, ...]}
 
 ``dtype`` is ``uint16`` when every id fits (vocabulary <= 65536), else ``uint32``; a shard is flat ids, so any tool
 can memory-map it (``np.memmap(path, dtype)``), while distrain's reader uses positioned reads. Documents are split
@@ -21,7 +21,8 @@ into train and validation whole (a fixed seed picks them), each followed by the 
 shard may end inside a document. nanoGPT's ``train.bin``/``val.bin`` (uint16, no index) are read as one-shard splits
 whose vocabulary is their largest id + 1 and whose checksum is not known. Index and shards are written to temporary
 names and renamed when complete, shards first and the index last, so a reader never sees a split whose index names a
-half-written shard.
+half-written shard. A shard's CRC-32 is what start-up checks (it finds the accidental change, a truncated or
+damaged copy, at twice SHA-256's speed); its SHA-256 identifies it (and is checked when an index has no CRC-32).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import os
 import tempfile
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -59,6 +61,14 @@ class Shard:
     file: str
     tokens: int
     sha256: str | None = None
+    crc32: str | None = None  # 8 hex digits
+
+    @property
+    def checksum(self) -> tuple[str, str] | None:
+        """(algorithm, expected digest) start-up verifies: the CRC-32 when the index has one, else the SHA-256."""
+        if self.crc32:
+            return ("crc32", self.crc32)
+        return ("sha256", self.sha256) if self.sha256 else None
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,23 @@ def sha256_of(path: Path, chunk_bytes: int = 1 << 24) -> str:
         while chunk := file.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def crc32_of(path: Path, chunk_bytes: int = 1 << 24) -> str:
+    """The CRC-32 of a file as 8 hex digits, read in 16 MiB chunks (constant memory)."""
+    value = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(chunk_bytes):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
+
+
+def checksum_of(path: Path, algorithm: str) -> str:
+    """The file's digest by ``algorithm`` (``crc32`` or ``sha256``)."""
+    return crc32_of(path) if algorithm == "crc32" else sha256_of(path)
+
+
+CHECKSUM_NAMES = {"crc32": "CRC-32", "sha256": "SHA-256"}
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -160,6 +187,11 @@ def _check_types(path: Path, index: SplitIndex) -> None:
     }.items():
         if not isinstance(value, str):
             raise DataError(str(path), f"{field} is {json.dumps(value)}, not a string")
+    for n, shard in enumerate(index.shards):
+        for field in ("sha256", "crc32"):
+            value = getattr(shard, field)
+            if value is not None and not isinstance(value, str):
+                raise DataError(str(path), f"shards[{n}].{field} is {json.dumps(value)}, not a hex string")
     if not index.shards:
         raise DataError(str(path), "names no shard")
 
@@ -195,27 +227,38 @@ def _largest_id(path: Path, chunk: int = 1 << 24) -> int:
 
 
 def verify_checksums(directory: Path, index: SplitIndex) -> None:
-    """Each shard's SHA-256 equals its index's, hashed on threads (hashlib releases the GIL: one shard per core);
-    a shard this user's cache records as verified, unchanged since (same size, modification and change times,
-    inode and device), is not read again. DataError naming the first shard that differs."""
+    """Each shard's checksum (its CRC-32, or its SHA-256 when the index has none) equals its index's, computed on
+    threads (zlib and hashlib release the GIL: one shard per core); a shard this user's cache records as verified,
+    unchanged since (same size, modification and change times, inode and device), is not read again. DataError
+    naming the first shard that differs."""
     cache = _read_verified()
-    shards = [(directory / shard.file, shard.sha256) for shard in index.shards if shard.sha256]
-    pending = [(path, digest) for path, digest in shards if not _verified(cache, path, digest)]
+    shards = [(directory / shard.file, shard.checksum) for shard in index.shards if shard.checksum]
+    pending = [(path, checksum) for path, checksum in shards if not _verified(cache, path, _key(*checksum))]
     with ThreadPoolExecutor(max_workers=max(1, min(len(pending), os.cpu_count() or 1))) as pool:
-        results = list(pool.map(lambda item: _hash_between_stamps(item[0]), pending))
-    for (path, expected), (digest, _) in zip(pending, results, strict=True):
+        results = list(pool.map(lambda item: _hash_between_stamps(item[0], item[1][0]), pending))
+    for (path, (algorithm, expected)), (digest, _) in zip(pending, results, strict=True):
         if digest != expected:
-            raise DataError(str(path), f"its SHA-256 differs from {index.split}.json's: the file changed")
+            name = CHECKSUM_NAMES[algorithm]
+            raise DataError(str(path), f"its {name} differs from {index.split}.json's: the file changed")
     _remember_verified(
-        cache, [(path, digest, stamp) for (path, _), (digest, stamp) in zip(pending, results, strict=True)]
+        cache,
+        [
+            (path, _key(checksum[0], digest), stamp)
+            for (path, checksum), (digest, stamp) in zip(pending, results, strict=True)
+        ],
     )
 
 
 def remember_written(directory: Path, index: SplitIndex) -> None:
-    """Record the shards of ``index`` that a writer has just finished (their SHA-256 computed while writing them) as
-    verified in this user's cache, so the first start-up after ``prepare`` on this machine reads none of them again."""
-    shards = [(directory / shard.file, shard.sha256) for shard in index.shards if shard.sha256]
-    _remember_verified(_read_verified(), [(path, digest, _stamp(path)) for path, digest in shards])
+    """Record the shards of ``index`` that a writer has just finished (their checksums computed while writing them)
+    as verified in this user's cache, so the first start-up after ``prepare`` on this machine reads none again."""
+    shards = [(directory / shard.file, shard.checksum) for shard in index.shards if shard.checksum]
+    _remember_verified(_read_verified(), [(path, _key(*checksum), _stamp(path)) for path, checksum in shards])
+
+
+def _key(algorithm: str, digest: str) -> str:
+    """How the cache records a verified digest: ``crc32:5d1e04a7``."""
+    return f"{algorithm}:{digest}"
 
 
 def _verified_cache() -> Path | None:
@@ -231,10 +274,10 @@ def _stamp(path: Path) -> list[int]:
     return [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino, status.st_dev]
 
 
-def _hash_between_stamps(path: Path) -> tuple[str, list[int] | None]:
-    """The file's SHA-256, and its stamp when the file did not change while it was read (else None: not recorded)."""
+def _hash_between_stamps(path: Path, algorithm: str) -> tuple[str, list[int] | None]:
+    """The file's digest, and its stamp when the file did not change while it was read (else None: not recorded)."""
     before = _stamp(path)
-    digest = sha256_of(path)
+    digest = checksum_of(path, algorithm)
     return digest, before if _stamp(path) == before else None
 
 
@@ -247,10 +290,10 @@ def _read_verified() -> dict:
     return cache if isinstance(cache, dict) else {}
 
 
-def _verified(cache: dict, path: Path, sha256: str) -> bool:
-    """Whether ``path`` was found to have ``sha256`` and has not changed since."""
+def _verified(cache: dict, path: Path, key: str) -> bool:
+    """Whether ``path`` was found to have the digest ``key`` names and has not changed since."""
     entry = cache.get(str(path.resolve()))
-    return isinstance(entry, dict) and entry.get("sha256") == sha256 and entry.get("stamp") == _stamp(path)
+    return isinstance(entry, dict) and entry.get("checksum") == key and entry.get("stamp") == _stamp(path)
 
 
 def _remember_verified(cache: dict, verified: list[tuple[Path, str, list[int] | None]]) -> None:
@@ -263,7 +306,7 @@ def _remember_verified(cache: dict, verified: list[tuple[Path, str, list[int] | 
         # A file modified within the file system's timestamp granularity of now could change again without its
         # modification time moving ("racy" in git's words): not recorded, hashed again next time.
         if stamp is not None and time.time_ns() - stamp[1] > RACY_NS:
-            cache[str(path.resolve())] = {"sha256": digest, "stamp": stamp}
+            cache[str(path.resolve())] = {"checksum": digest, "stamp": stamp}
     cache = dict(list(cache.items())[-MAX_VERIFIED:])  # the most recent entries (dicts keep insertion order)
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)

@@ -201,8 +201,21 @@ def test_a_shard_named_file_no_run_wrote_is_never_removed_or_replaced(tmp_path, 
     assert json.loads((out / "prepare.json").read_text())["shards"] == ["train-00000.bin", "val-00000.bin"]
 
 
+def test_each_shard_carries_its_sha256_and_crc32(prepared):
+    """Both digests in the index are the shard file's: CRC-32 is what start-up checks, SHA-256 what names it."""
+    import hashlib
+    import zlib
+
+    out, _ = prepared
+    for split in SPLITS:
+        for shard in read_index(out, split).shards:
+            data = (out / shard.file).read_bytes()
+            assert shard.sha256 == hashlib.sha256(data).hexdigest()
+            assert shard.crc32 == f"{zlib.crc32(data):08x}" and shard.checksum == ("crc32", shard.crc32)
+
+
 def test_the_first_training_start_up_after_prepare_hashes_no_shard(corpus, tmp_path, monkeypatch):
-    """prepare computes each shard's SHA-256 while writing it and records the shards as verified, so the first
+    """prepare computes each shard's checksums while writing it and records the shards as verified, so the first
     inspection of its output on this machine reads none of them (the record's "racy" window set to 0 here: a
     corpus this small is written within it)."""
     from distrain.artifacts.token_dataset import inspect_token_dataset
@@ -213,11 +226,11 @@ def test_the_first_training_start_up_after_prepare_hashes_no_shard(corpus, tmp_p
     out = tmp_path / "data"
     prepare(corpus, out, workers=1, quiet=True, **SETTINGS)
     hashed = []
-    monkeypatch.setattr(token_format, "sha256_of", lambda path: hashed.append(path.name) or "")
+    monkeypatch.setattr(token_format, "crc32_of", lambda path: hashed.append(path.name) or "")
     inspect_token_dataset(out)
     assert hashed == []
     (out / "val-00000.bin").write_bytes((out / "val-00000.bin").read_bytes())  # rewritten: stamp changed
-    with pytest.raises(DataError, match="val-00000.bin: its SHA-256 differs"):
+    with pytest.raises(DataError, match="val-00000.bin: its CRC-32 differs"):
         inspect_token_dataset(out)
     assert hashed == ["val-00000.bin"]
 
@@ -496,12 +509,12 @@ def test_a_changed_shard_is_found_and_re_prepared(corpus, prepared, tmp_path, ca
     assert prepare(corpus, data, workers=1, quiet=True, **SETTINGS)["up_to_date"]
     shard = data / "train-00000.bin"
     damaged = bytearray(shard.read_bytes())
-    damaged[3] ^= 0xFF  # same size: only its SHA-256 tells
+    damaged[3] ^= 0xFF  # same size: only its checksum tells
     shard.write_bytes(bytes(damaged))
     summary = prepare(corpus, data, workers=1, **SETTINGS)
     line = capsys.readouterr().out
     assert not summary["up_to_date"] and "train-00000.bin" in summary["re_prepared_because"]
-    assert line.count("\n") == 1 and "re-prepared because" in line and "SHA-256" in line
+    assert line.count("\n") == 1 and "re-prepared because" in line and "CRC-32" in line
     assert shard_bytes(data) == shard_bytes(out)
     assert prepare(corpus, data, workers=1, quiet=True, **SETTINGS)["up_to_date"]
 
