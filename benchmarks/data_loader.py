@@ -48,9 +48,10 @@ print(json.dumps({"rss_growth": growth, "tokens_per_s": tokens / seconds, "windo
 def write_random_dataset(directory: Path, tokens: int, shards: int, chunk: int = 1 << 25) -> Path:
     """Random byte-valued ids (vocabulary 256, uint16) in ``shards`` train shards plus a small validation split,
     written in chunks so this process never holds the dataset."""
-    from distrain.data.token_format import Shard, SplitIndex, read_index, sha256_of, write_index
+    from distrain.data.token_format import Shard, SplitIndex, crc32_of, read_index, sha256_of, write_index
 
-    if (directory / "val.json").is_file() and read_index(directory, "train").tokens == tokens // shards * shards:
+    earlier = read_index(directory, "train") if (directory / "val.json").is_file() else None
+    if earlier and earlier.tokens == tokens // shards * shards and earlier.shards[0].crc32:
         return directory  # written by an earlier run into the same --work-dir
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -62,7 +63,7 @@ def write_random_dataset(directory: Path, tokens: int, shards: int, chunk: int =
             with open(path, "wb") as file:
                 for start in range(0, size, chunk):
                     rng.integers(0, 256, min(chunk, size - start), dtype=np.uint16).tofile(file)
-            written.append(Shard(path.name, size, sha256_of(path)))
+            written.append(Shard(path.name, size, sha256_of(path), crc32_of(path)))  # as prepare writes them
         index = SplitIndex(split, "uint16", 256, None, None, None, sum(sizes), 255, tuple(written))
         write_index(directory, index)
     return directory

@@ -1,5 +1,5 @@
 """What the inspections of users' files cost at start-up, measured side by side in one run: the token-dataset
-inspector on a 1.4 GB dataset (with and without SHA-256 checksums), the Hugging Face directory inspector on a
+inspector on a 1.4 GB dataset (with and without its shards' checksums), the Hugging Face directory inspector on a
 1.24B-parameter Llama (Llama 3.2 1B's shapes) stored as two safetensors shards with an index, and each against the
 start-up of the job that pays it (train.py to the end of its first step).
 
@@ -172,13 +172,13 @@ def report(rows: dict[str, float], gigabytes: float, parameters: int, out_dir: P
         "|---|---|---|",
         f"| token dataset, {gigabytes:.2f} GB, structure only (data.verify_checksums=false) | "
         f"{rows['dataset_structure_s']:.3f} | {share(rows['dataset_structure_s'], rows['startup_dataset_s'])} |",
-        f"| token dataset, {gigabytes:.2f} GB, SHA-256 of every shard, first start-up, copied from elsewhere | "
+        f"| token dataset, {gigabytes:.2f} GB, CRC-32 of every shard, first start-up, copied from elsewhere | "
         f"{rows['dataset_checksums_s']:.3f} | "
         f"{share(rows['dataset_checksums_s'], rows['startup_dataset_checksums_s'])} |",
-        f"| token dataset, {gigabytes:.2f} GB, SHA-256, first start-up after prepare wrote it on this machine | "
+        f"| token dataset, {gigabytes:.2f} GB, checksums, first start-up after prepare wrote it on this machine | "
         f"{rows['dataset_after_prepare_s']:.3f} | "
         f"{share(rows['dataset_after_prepare_s'], rows['startup_dataset_after_prepare_s'])} |",
-        f"| token dataset, {gigabytes:.2f} GB, SHA-256, later start-ups (shards verified, unchanged) | "
+        f"| token dataset, {gigabytes:.2f} GB, checksums, later start-ups (shards verified, unchanged) | "
         f"{rows['dataset_checksums_cached_s']:.3f} | "
         f"{share(rows['dataset_checksums_cached_s'], rows['startup_dataset_cached_s'])} |",
         f"| safetensors set, {parameters / 1e9:.2f}B parameters in 2 shards, headers | "
