@@ -1,6 +1,6 @@
 """Inspector of a run directory (``hydra.run.dir``) that already exists: the files distrain writes there must be
 distrain's when they exist, because a run replaces ``summary.json`` and ``param_groups.json``, rewinds
-``metrics.jsonl`` on resume and reuses ``wandb_run_id``.
+``metrics.jsonl`` on resume and reuses ``wandb_run_id`` and ``mlflow_run_id``.
 
 A run directory holding them is an earlier run of this job (a restart, a requeue, ``checkpoint.resume=auto``)
 and is used as it is; one holding a file of the same name that distrain did not write (a user's own
@@ -20,6 +20,7 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PARAM_GROUPS = "param_groups.json"
 WANDB_ID = "wandb_run_id"
+MLFLOW_ID = "mlflow_run_id"
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}\s*")
 
 
@@ -27,7 +28,8 @@ def inspect_run_directory(run_dir: str | Path) -> Path:
     """``run_dir`` (resolved), after checking that every file in it that a run writes was written by distrain;
     ``ArtifactError`` naming the first one that was not."""
     run_dir = Path(run_dir).absolute()
-    checks = {SUMMARY: _is_summary, PARAM_GROUPS: _is_param_groups, METRICS: _is_metrics, WANDB_ID: _is_run_id}
+    checks = {SUMMARY: _is_summary, PARAM_GROUPS: _is_param_groups, METRICS: _is_metrics}
+    checks |= {WANDB_ID: _is_run_id, MLFLOW_ID: _is_run_id}
     for name, ours in checks.items():
         path = run_dir / name
         if not path.exists():
@@ -64,10 +66,14 @@ def _is_param_groups(text: str) -> bool:
 
 
 def _is_metrics(text: str) -> bool:
-    """One JSON record with an integer ``step`` per line; the last line may be one a crash cut short."""
+    """One JSON record with an integer ``step`` per line; the last line may be one a crash cut short (a record's
+    start: every record distrain writes begins with its step)."""
     lines = [line for line in text.splitlines() if line.strip()]
-    whole = lines[:-1] if lines and not text.endswith("\n") else lines
-    return all(is_metrics_record(line) for line in whole)
+    if lines and not text.endswith("\n"):
+        cut, lines = lines[-1], lines[:-1]
+        if not cut.startswith('{"step": '):
+            return False
+    return all(is_metrics_record(line) for line in lines)
 
 
 def is_metrics_record(line: str) -> bool:

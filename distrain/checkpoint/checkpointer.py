@@ -182,31 +182,6 @@ def uses_checkpoint_dir(checkpoint: Any) -> bool:
     return checkpoint.every_n_steps > 0 or checkpoint.save_final or checkpoint.emergency or checkpoint.resume == "auto"
 
 
-def remove_partial_saves(directory: Path) -> None:
-    """Delete ``step_*.tmp`` directories that saves a crash or a full disk interrupted (never one distrain did not
-    write: see ``foreign_entries``). Only while holding the directory's lock (no other job can be writing one)."""
-    for partial in directory.glob("step_*.tmp") if directory.is_dir() else ():
-        if _is_partial_save(partial):
-            log.warning("removing %s: an interrupted save", partial)
-            shutil.rmtree(partial, ignore_errors=True)
-
-
-def foreign_entries(directory: Path) -> list[Path]:
-    """Entries of ``directory`` named like distrain's saves that distrain did not write, which a save or the
-    removal of interrupted saves would replace: a ``step_NNNNNNNN`` that is not a directory with a manifest
-    (distrain writes the manifest before the rename that gives a save this name), a ``step_NNNNNNNN.tmp`` that is
-    not an empty directory or one holding this format's per-rank RNG files (every save writes them first)."""
-    if not directory.is_dir():
-        return []
-    foreign = [p for p in step_directories(directory) if not (p.is_dir() and (p / "manifest.json").is_file())]
-    foreign += [p for p in directory.glob("step_*.tmp") if not _is_partial_save(p)]
-    return sorted(foreign)
-
-
-def _is_partial_save(path: Path) -> bool:
-    return path.is_dir() and (not any(path.iterdir()) or any(path.glob("rng_rank*.pt")))
-
-
 @dataclass
 class _PendingSave:
     """An asynchronous save whose files are still being written by DCP's background thread."""

@@ -18,12 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import (
     checkpoint_step,
     checkpoint_world_size,
-    foreign_entries,
     newest_valid,
-    remove_partial_saves,
     step_directories,
     uses_checkpoint_dir,
 )
+from distrain.checkpoint.directory import foreign_entries, remove_partial_saves
 from distrain.checkpoint.lock import CheckpointDirLock
 from distrain.config.checks import ConfigError, as_typed
 from distrain.parallelism.capabilities import capabilities_of
@@ -59,14 +58,15 @@ def prepare_checkpoint_dir(
             held.enter_context(CheckpointDirLock(directory, run_dir))
         except OSError as err:
             raise ConfigError("checkpoint.dir", str(directory), f"a directory this job can create ({err})") from None
-    if foreign := foreign_entries(directory):  # distrain's saves would replace it: never a file it did not write
-        raise ConfigError(
-            "checkpoint.dir",
-            str(directory),
-            f"a directory whose step_* entries are distrain's saves: {foreign[0]} was not written by distrain "
-            "(no manifest.json) and a save would replace it; move it, or choose another checkpoint.dir",
-        )
-    if take_lock:
+        # Only the lock holder looks: another task of this job could see a save being removed as it reads.
+        if foreign := foreign_entries(directory):  # a save would replace it: never a file distrain did not write
+            raise ConfigError(
+                "checkpoint.dir",
+                str(directory),
+                f"a directory whose step_* entries are distrain's saves: {foreign[0]} holds what a save does not "
+                "write (or is not a directory), and a save would replace it; move it, or choose another "
+                "checkpoint.dir",
+            )
         remove_partial_saves(directory)
     if resume == "never":
         earlier = step_directories(directory)

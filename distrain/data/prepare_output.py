@@ -140,7 +140,8 @@ def owned_shards(out: Path) -> set[str]:
     for split in SPLITS:
         if _is_index(out / f"{split}.json"):
             try:
-                owned |= {shard.file for shard in read_index(out, split).shards}
+                names = {shard.file for shard in read_index(out, split).shards}
+                owned |= {name for name in names if SHARD_NAME.fullmatch(name)}  # never ../x or README.md
             except DataError:
                 pass  # a damaged index of ours owns nothing: its shards stay where they are
     if _has_record(out):

@@ -99,7 +99,8 @@ def run(cfg: DictConfig) -> float | None:
         try:
             inspect_run_directory(run_dir)
         except ArtifactError as err:
-            refuse(ConfigError("hydra.run.dir", run_dir, f"a directory whose run files are distrain's: {err}"))
+            key = "hydra.sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "hydra.run.dir"
+            refuse(ConfigError(key, run_dir, f"a directory whose run files are distrain's: {err}"))
     absolute_paths(cfg)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_dict["distributed"]["device"] = plan.device_type

@@ -19,7 +19,9 @@ class Capabilities:
     """One strategy's answers. Read from its config with ``capabilities_of``, from an instance as an attribute."""
 
     one_rank: bool = False  # runs exactly one process
-    device_mesh: bool = False  # composes its degrees on a device mesh (tp, pp, cp, ep, HSDP): the mesh checks apply
+    # Composes its degrees on a device mesh (tp, pp, cp, ep, HSDP): its config is hybrid's schema, and the checks of
+    # its keys (fsdp_stage, dp_mode, dp, ...) apply.
+    device_mesh: bool = False
     comm_hooks: bool = False  # takes a DDP communication hook (the comm group's options other than default)
     checkpoint_format: str = "dcp"  # what its checkpoints hold: "dcp" (torch.distributed.checkpoint), "deepspeed"
     reshards_on_resume: bool = True  # resumes a checkpoint saved by another number of ranks

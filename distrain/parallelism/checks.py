@@ -270,7 +270,8 @@ def single_copy_note(cfg: DictConfig, world_size: int, ranks_per_node: int | Non
     if world_size % (2 * model_copy) or world_size // (2 * model_copy) < 2:  # two sharded copies must fit
         return None
     return (
-        f"parallelism=hsdp keeps one copy per node, and these {world_size} ranks are one node: the model is sharded "
+        f"parallelism={cfg.parallelism.name} keeps one copy per node (dp_replicate=-1), and these {world_size} ranks "
+        "are one node: the model is sharded "
         f"over all of them, as parallelism=fsdp would (parallelism.dp_replicate=2 "
         f"parallelism.dp={world_size // (2 * model_copy)} makes two copies on this node)"
     )

@@ -367,3 +367,6 @@ class _ComposedPipeline(PipelineStrategy):
     def reports_eval_loss(self) -> bool:
         # One rank per data-parallel group: all ranks of a pipeline and its tensor-parallel peers hold the same loss.
         return self.mesh["pp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+
+
+_ComposedModel.capabilities = _ComposedPipeline.capabilities = HybridStrategy.capabilities  # what it builds, too

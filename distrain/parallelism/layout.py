@@ -103,4 +103,6 @@ def layout_of(
     resolve = getattr(strategy, "resolve_layout", None)
     if resolve is None:
         return Layout(dp=world_size)
-    return resolve(parallelism, world_size, ranks_per_node, with_experts=with_experts)
+    if with_experts:  # the documented signature; only the mesh layout's own checks leave ep out
+        return resolve(parallelism, world_size, ranks_per_node)
+    return resolve(parallelism, world_size, ranks_per_node, with_experts=False)

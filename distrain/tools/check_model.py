@@ -45,7 +45,7 @@ ACCUMULATION = 2  # micro-steps per optimizer step
 
 
 @dataclass(frozen=True)
-class Layout:
+class CheckedLayout:
     """One row of the check: a parallelism option with its settings, its ranks and its data-parallel degree."""
 
     name: str
@@ -55,25 +55,25 @@ class Layout:
 
 
 LAYOUTS = [
-    Layout("single", ("parallelism=single",), 1, 1),
-    Layout("ddp", ("parallelism=ddp",), 2, 2),
-    Layout("fsdp", ("parallelism=fsdp",), 2, 2),
-    Layout("zero1", ("parallelism=zero", "stage=1"), 2, 2),
-    Layout("zero2", ("parallelism=zero", "stage=2"), 2, 2),
-    Layout("zero3", ("parallelism=zero", "stage=3"), 2, 2),
-    Layout("tensor", ("parallelism=tensor",), 2, 1),
-    Layout(
+    CheckedLayout("single", ("parallelism=single",), 1, 1),
+    CheckedLayout("ddp", ("parallelism=ddp",), 2, 2),
+    CheckedLayout("fsdp", ("parallelism=fsdp",), 2, 2),
+    CheckedLayout("zero1", ("parallelism=zero", "stage=1"), 2, 2),
+    CheckedLayout("zero2", ("parallelism=zero", "stage=2"), 2, 2),
+    CheckedLayout("zero3", ("parallelism=zero", "stage=3"), 2, 2),
+    CheckedLayout("tensor", ("parallelism=tensor",), 2, 1),
+    CheckedLayout(
         "tensor_sp_lp",
         ("parallelism=tensor", "parallelism.sequence_parallel=true", "parallelism.loss_parallel=true"),
         2,
         1,
     ),
-    Layout("pipeline", ("parallelism=pipeline", "parallelism.pipeline_microbatches=4"), 2, 1),
-    Layout("hsdp_2x2", ("parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"), 4, 4),
-    Layout("hybrid_dp2_tp2", ("parallelism=hybrid", "parallelism.tp=2"), 4, 2),
-    Layout("cp2", ("parallelism=hybrid", "parallelism.cp=2"), 2, 1),
-    Layout("ep2", ("parallelism=hybrid", "parallelism.ep=2"), 2, 2),
-    Layout(
+    CheckedLayout("pipeline", ("parallelism=pipeline", "parallelism.pipeline_microbatches=4"), 2, 1),
+    CheckedLayout("hsdp_2x2", ("parallelism=hsdp", "parallelism.dp_replicate=2", "parallelism.dp=2"), 4, 4),
+    CheckedLayout("hybrid_dp2_tp2", ("parallelism=hybrid", "parallelism.tp=2"), 4, 2),
+    CheckedLayout("cp2", ("parallelism=hybrid", "parallelism.cp=2"), 2, 1),
+    CheckedLayout("ep2", ("parallelism=hybrid", "parallelism.ep=2"), 2, 2),
+    CheckedLayout(
         "hybrid_tp2_pp2",
         ("parallelism=hybrid", "parallelism.tp=2", "parallelism.pp=2", "parallelism.pipeline_microbatches=4"),
         4,
@@ -84,7 +84,7 @@ LAYOUTS = [
 
 @dataclass(frozen=True)
 class Row:
-    layout: Layout
+    layout: CheckedLayout
     result: str  # reference | pass | fail | unsupported | error
     losses: tuple[float, ...] = ()
     max_difference: float | None = None
@@ -97,7 +97,7 @@ def owned_key(override: str) -> bool:
     return any(key == owned or key.startswith(f"{owned}.") for owned in OWNED)
 
 
-def layout_overrides(layout: Layout, steps: int, user: list[str]) -> list[str]:
+def layout_overrides(layout: CheckedLayout, steps: int, user: list[str]) -> list[str]:
     """``train.py`` overrides of one layout's run: the user's, then the check's fixed settings (which win)."""
     return [
         *user,
@@ -135,7 +135,7 @@ def refusal(overrides: list[str]) -> str | None:
     return None
 
 
-def run_layout(layout: Layout, steps: int, user: list[str], workdir: Path, timeout_s: float) -> Row:
+def run_layout(layout: CheckedLayout, steps: int, user: list[str], workdir: Path, timeout_s: float) -> Row:
     """Validate, then train one layout with ``train.py``; its per-step losses from the run's metrics.jsonl."""
     overrides = layout_overrides(layout, steps, user)
     refused = refusal(overrides)

@@ -3,10 +3,9 @@
 A table of artifact kind x damage x entry point: Hugging Face model directories (``model=hf``,
 ``model.init_from``), token datasets (``data=tokens``), tokenizers, checkpoints, output paths and tracker stores,
 each kind through every entry point that reads it (``train.py``, ``python -m distrain.tools.check_model``, ``-m
-distrain.checkpoint.export``, ``-m distrain.tools.generate``, ``-m distrain.data.prepare``): the issue's cases through
-each
-of their readers, the other damages through one or two, so that the file stays near 3 minutes on 2 cores. Each row is
-a real subprocess; all rows run at once on a few workers. Every row must exit non-zero within 30 s with no
+distrain.checkpoint.export``, ``-m distrain.tools.generate``, ``-m distrain.data.prepare``): every damage of a kind
+runs through every entry point that reads that kind (``NOT_EVERY_READER`` says why for the three that cannot). Each
+row is a real subprocess; all rows run at once on a few workers. Every row must exit non-zero within 30 s with no
 traceback, end its stderr with one ``distrain`` line naming the config key or the damaged file, take no training
 step, and leave every file that existed before it byte-identical.
 

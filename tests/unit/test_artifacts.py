@@ -167,13 +167,17 @@ def test_a_run_directory_is_used_only_when_its_run_files_are_distrains(tmp_path)
 
 
 def test_step_entries_distrain_did_not_write_are_named_and_never_removed(tmp_path):
-    from distrain.checkpoint.checkpointer import foreign_entries, remove_partial_saves
+    from distrain.checkpoint.directory import foreign_entries, remove_partial_saves
 
     (tmp_path / "step_00000002").mkdir()
     (tmp_path / "step_00000002" / "manifest.json").write_text("{}")  # a save of ours
     (tmp_path / "step_00000004.tmp").mkdir()
     (tmp_path / "step_00000004.tmp" / "rng_rank0.pt").write_bytes(b"x")  # an interrupted save of ours
     (tmp_path / "step_00000006.tmp").mkdir()  # interrupted before any rank wrote
+    damaged = tmp_path / "step_00000008"  # a save of ours whose manifest was lost: resuming skips it
+    (damaged / "deepspeed").mkdir(parents=True)
+    for name in ("rng_rank0.pt", "__0_0.distcp", ".metadata", "config.yaml"):
+        (damaged / name).write_bytes(b"x")
     assert foreign_entries(tmp_path) == []
     (tmp_path / "step_00000003").mkdir()
     (tmp_path / "step_00000003" / "notes.txt").write_text("mine")

@@ -1,0 +1,51 @@
+"""What distrain writes in a checkpoint directory, told apart from what it did not (run in the launching process,
+by the job holding the directory's lock, before any rank starts).
+
+A save is written into ``step_NNNNNNNN.tmp`` and renamed ``step_NNNNNNNN`` when complete; either holds only the
+names a save writes: the per-rank RNG files, DCP's ``.metadata`` and ``*.distcp`` shards, DeepSpeed's tag directory
+(``parallelism=zero``), ``config.yaml`` and ``manifest.json``. An entry of either name holding anything else is not
+distrain's: a save of that step, or the removal of interrupted saves, would replace it, so the job is refused.
+A save of distrain's that lost its manifest (damaged, or a prune interrupted) is still distrain's: resuming skips it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+from distrain.checkpoint.checkpointer import step_directories
+
+log = logging.getLogger("distrain.train")
+SAVE_NAMES = {"manifest.json", "config.yaml", ".metadata", "deepspeed"}  # deepspeed: parallelism=zero's tag
+_RNG_FILE = re.compile(r"rng_rank\d+\.pt")
+
+
+def written_by_distrain(path: Path) -> bool:
+    """Whether ``path`` is a directory holding only names a save writes (an empty one included)."""
+    try:
+        return path.is_dir() and all(_save_name(entry.name) for entry in path.iterdir())
+    except OSError:  # removed while being read: nothing of the user's was there to keep
+        return True
+
+
+def _save_name(name: str) -> bool:
+    return name in SAVE_NAMES or name.endswith(".distcp") or _RNG_FILE.fullmatch(name) is not None
+
+
+def foreign_entries(directory: Path) -> list[Path]:
+    """The ``step_NNNNNNNN`` and ``step_NNNNNNNN.tmp`` entries of ``directory`` that distrain did not write."""
+    if not directory.is_dir():
+        return []
+    saves = [*step_directories(directory), *directory.glob("step_*.tmp")]
+    return sorted(path for path in saves if not written_by_distrain(path))
+
+
+def remove_partial_saves(directory: Path) -> None:
+    """Delete the ``step_*.tmp`` directories that saves a crash or a full disk interrupted (never one distrain did
+    not write). Only while holding the directory's lock (no other job can be writing one)."""
+    for partial in directory.glob("step_*.tmp") if directory.is_dir() else ():
+        if written_by_distrain(partial):
+            log.warning("removing %s: an interrupted save", partial)
+            shutil.rmtree(partial, ignore_errors=True)
