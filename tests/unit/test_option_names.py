@@ -52,14 +52,31 @@ def _group_of(node: ast.expr) -> str | None:
     return "parallelism" if word in STRATEGY_NAMES else word if word in OWNERS else None
 
 
+def _target_group(node: ast.expr) -> str | None:
+    """The config group whose ``_target_`` ``node`` reads (``cfg.optimizer._target_``), else None."""
+    if isinstance(node, ast.Attribute) and node.attr == "_target_":
+        base = node.value
+        word = base.attr if isinstance(base, ast.Attribute) else base.id if isinstance(base, ast.Name) else None
+        return "parallelism" if word in STRATEGY_NAMES else word if word in OWNERS else None
+    return None
+
+
 def name_comparisons(source: str) -> list[tuple[int, str]]:
-    """(line, group) of every comparison of a config group's option name: ``==``, ``!=``, ``in``, ``not in``."""
+    """(line, group) of every recognition of a config group's option by name: its ``name`` compared (``==``,
+    ``!=``, ``in``, ``not in``), or its ``_target_`` compared with a string or tested with ``endswith``/``startswith``
+    (two targets compared with each other, a saved run's and this one's, recognise nothing)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
-            for side in (node.left, *node.comparators):
+            sides = (node.left, *node.comparators)
+            for side in sides:
                 if group := _group_of(side):
                     found.append((node.lineno, group))
+                elif (group := _target_group(side)) and any(isinstance(s, ast.Constant) for s in sides):
+                    found.append((node.lineno, group))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("endswith", "startswith") and (group := _target_group(node.func.value)):
+                found.append((node.lineno, group))
     return found
 
 
@@ -81,6 +98,8 @@ def test_the_scan_flags_name_comparisons_and_passes_capability_questions():
         'y = getattr(strategy, "name", None) == "zero"',
         'z = cfg.precision.name != "fp32"',
         'w = cfg["comm"]["name"] == "topk"',
+        'v = cfg.optimizer._target_.endswith(".sgd")',
+        'u = cfg.parallelism._target_ == "distrain.parallelism.zero.ZeroStrategy"',
     ]
     for snippet in flagged:
         assert name_comparisons(snippet), snippet
@@ -90,6 +109,8 @@ def test_the_scan_flags_name_comparisons_and_passes_capability_questions():
         'same = shard.name == "x.bin"',
         "kept = path.name not in names",
         'dtype = cfg.precision.compute_dtype == "float16"',
+        "same = saved.optimizer._target_ != cfg.optimizer._target_",
+        'hydra = cfg.hydra.launcher._target_.endswith("SlurmLauncher")',
     ]
     for snippet in passed:
         assert not name_comparisons(snippet), snippet
