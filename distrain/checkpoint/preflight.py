@@ -88,11 +88,14 @@ def prepare_checkpoint_dir(
 def pipeline_stages(parallelism: DictConfig, world_size: int) -> tuple[int, int, tuple[int, ...]] | None:
     """How a layout splits the model into pipeline stages on ``world_size`` ranks: (pp resolved, stages per rank,
     split points), or None when it has no pipeline. What a pipeline checkpoint's per-stage optimizer state needs."""
+    configured = parallelism.get("pp")  # -1: a pipeline over the rest of the ranks, even of one stage
+    if configured == 1:
+        return None
     try:
         pp = layout_of(parallelism, world_size).pp
     except ValueError:
         return (-1, 1, ())  # degrees that do not fit: validation names them
-    if pp == 1:
+    if configured is None and pp == 1:  # no pp key (ddp, zero, ...): a pipeline only where its strategy makes one
         return None
     virtual = int(parallelism.virtual_stages) if parallelism.get("schedule") == "interleaved" else 1
     return (int(pp), virtual, tuple(parallelism.get("split_points", ())))
