@@ -3,8 +3,9 @@ by the job holding the directory's lock, before any rank starts).
 
 A save is written into ``step_NNNNNNNN.tmp`` and renamed ``step_NNNNNNNN`` when complete; either holds only the
 names a save writes: the per-rank RNG files, DCP's ``.metadata`` and ``*.distcp`` shards, DeepSpeed's tag directory
-(``parallelism=zero``), ``config.yaml`` and ``manifest.json``. An entry of either name holding anything else is not
-distrain's: a save of that step, or the removal of interrupted saves, would replace it, so the job is refused.
+and the ``zero_to_*.py`` scripts it copies beside it (``parallelism=zero``), ``config.yaml`` and ``manifest.json``.
+An entry of either name without distrain's manifest that holds anything else is not distrain's: a save of that
+step, or the removal of interrupted saves, would replace it, so the job is refused.
 A save of distrain's that lost its manifest (damaged, or a prune interrupted) is still distrain's: resuming skips it.
 """
 
@@ -19,19 +20,23 @@ from distrain.checkpoint.checkpointer import step_directories
 
 log = logging.getLogger("distrain.train")
 SAVE_NAMES = {"manifest.json", "config.yaml", ".metadata", "deepspeed"}  # deepspeed: parallelism=zero's tag
-_RNG_FILE = re.compile(r"rng_rank\d+\.pt")
+# The per-rank RNG files, and the conversion scripts DeepSpeed copies beside its tag directory.
+_SAVE_FILE = re.compile(r"rng_rank\d+\.pt|zero_to_\w+\.py")
 
 
 def written_by_distrain(path: Path) -> bool:
-    """Whether ``path`` is a directory holding only names a save writes (an empty one included)."""
+    """Whether ``path`` is a directory with distrain's manifest, or holding only names a save writes (an empty one
+    included)."""
     try:
+        if path.is_dir() and (path / "manifest.json").is_file():  # written last by distrain, before the rename
+            return True
         return path.is_dir() and all(_save_name(entry.name) for entry in path.iterdir())
     except OSError:  # removed while being read: nothing of the user's was there to keep
         return True
 
 
 def _save_name(name: str) -> bool:
-    return name in SAVE_NAMES or name.endswith(".distcp") or _RNG_FILE.fullmatch(name) is not None
+    return name in SAVE_NAMES or name.endswith(".distcp") or _SAVE_FILE.fullmatch(name) is not None
 
 
 def foreign_entries(directory: Path) -> list[Path]:
