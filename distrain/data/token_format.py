@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import tempfile
 import time
@@ -104,14 +105,20 @@ def sha256_of(path: Path, chunk_bytes: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
-def crc32_of(path: Path, chunk_bytes: int = 1 << 24) -> str:
-    """The CRC-32 of a file as 8 hex digits, read 16 MiB at a time into one reused buffer (constant memory, no
-    copy per chunk: the read, not the CRC, is what bounds it)."""
-    value, buffer = 0, bytearray(chunk_bytes)
-    view = memoryview(buffer)
+def crc32_of(path: Path, chunk_bytes: int = 1 << 26) -> str:
+    """The CRC-32 of a file as 8 hex digits, computed on a read-only memory map 64 MiB at a time: no copy of the
+    file's pages (a read's copy costs as much as the CRC). Runs in the launching process; the map is closed after."""
+    value = 0
     with open(path, "rb") as file:
-        while read := file.readinto(buffer):
-            value = zlib.crc32(view[:read], value)
+        if os.fstat(file.fileno()).st_size == 0:
+            return f"{value:08x}"
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                for start in range(0, len(mapped), chunk_bytes):
+                    value = zlib.crc32(view[start : start + chunk_bytes], value)
+            finally:
+                view.release()
     return f"{value:08x}"
 
 
