@@ -191,13 +191,15 @@ def _step(loop: _Loop) -> None:
     paused = time.perf_counter()
     if settings.evaluates_after(state.step):
         loop.val_loss = record["val_loss"] = evaluate(strategy, loop.val_batches, loop.device)
-    if loop.checkpointer.due(state.step, final=final):
-        loop.checkpointer.save(state.step, strategy, loop_state(state, loop.data), blocking=final)
-    window.exclude(time.perf_counter() - paused)  # evaluation and checkpoints stay out of throughput
     if len(record) > 1:
         loop.reporter.log(record)
     else:
         loop.reporter.advance(state.step)
+    # After the step's record: a job killed between the two resumes from the checkpoint before, and rewinds and
+    # re-logs this step; killed the other way round, it would resume after a step whose record was never written.
+    if loop.checkpointer.due(state.step, final=final):
+        loop.checkpointer.save(state.step, strategy, loop_state(state, loop.data), blocking=final)
+    window.exclude(time.perf_counter() - paused)  # evaluation and checkpoints stay out of throughput
     maybe_inject_fault(dist.get_rank(), state.step)
 
 
