@@ -155,13 +155,19 @@ def test_rerun_does_nothing_and_says_so(corpus, prepared, capsys):
     assert {path: path.stat().st_mtime_ns for path in out.iterdir()} == before
 
 
-def test_changed_input_or_settings_re_prepare_and_stale_shards_go(tmp_path, capsys):
+def four_documents(tmp_path: Path) -> tuple[Path, Path, list[str]]:
+    """A corpus of four small text files, the output directory, and the command line that prepares one into the
+    other (vocabulary 300, a quarter for validation)."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for number in range(4):
         (corpus / f"{number}.txt").write_text(f"document number {number} " * 5)
     out = tmp_path / "out"
-    common = ["--input", str(corpus), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.25"]
+    return corpus, out, ["--input", str(corpus), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.25"]
+
+
+def test_changed_input_or_settings_re_prepare_and_stale_shards_go(tmp_path, capsys):
+    corpus, out, common = four_documents(tmp_path)
     assert main([*common, "--shard-tokens", "20", "--workers", "1"]) == 0
     line = capsys.readouterr().out
     assert line.startswith("distrain prepare: ") and "documents" in line and "tokens/s" in line and "skipped" in line
@@ -181,12 +187,7 @@ def test_changed_input_or_settings_re_prepare_and_stale_shards_go(tmp_path, caps
 def test_a_shard_named_file_no_run_wrote_is_never_removed_or_replaced(tmp_path, capsys):
     """Beside an earlier run's dataset, a ``train-00099.bin`` of the user's (named by no index or record) is refused
     in one line; with ``--overwrite`` the re-run replaces only what it wrote and leaves that file byte-identical."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for number in range(4):
-        (corpus / f"{number}.txt").write_text(f"document number {number} " * 5)
-    out = tmp_path / "out"
-    common = ["--input", str(corpus), "--out", str(out), "--vocab-size", "300", "--val-fraction", "0.25"]
+    corpus, out, common = four_documents(tmp_path)
     assert main([*common, "--shard-tokens", "20", "--workers", "1"]) == 0
     capsys.readouterr()
     theirs = out / "train-00099.bin"
