@@ -3,18 +3,27 @@
 What it establishes (``distrain.data.token_format`` describes the format): the path is a directory holding both
 splits' indexes (or both bins); each index is a ``distrain.tokens`` v1 JSON object with fields of the right types;
 every shard exists and holds exactly the ids its index says, in whole ids of the index's dtype (and, with
-``checksums``, has its SHA-256); neither split is empty; a tokenizer the index names is readable. Ids above the
-vocabulary are caught as windows are read (``distrain.data.tokens``): an index can understate them, and scanning
-every shard here would cost minutes on a large dataset.
+``checksums``, has its index's CRC-32, or SHA-256 where it records none); neither split is empty; a tokenizer the
+index names is readable. Ids above the vocabulary are caught as windows are read (``distrain.data.tokens``): an
+index can understate them, and scanning every shard here would cost minutes on a large dataset.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from distrain.artifacts.tokenizer import inspect_tokenizer
-from distrain.data.token_format import SPLITS, DataError, SplitIndex, has_index, read_index, verify_split
+from distrain.data.token_format import (
+    SPLITS,
+    DataError,
+    SplitIndex,
+    has_index,
+    read_index,
+    verify_checksums,
+    verify_split,
+)
 from distrain.data.tokens import dataset_directory, tokenizer_path
 from distrain.errors import ArtifactError
 
@@ -54,3 +63,20 @@ def inspect_token_dataset(path: str | Path, *, checksums: bool = True) -> TokenD
         except ArtifactError as err:
             raise DataError(err.where, err.problem) from None
     return TokenDataset(directory, splits, tokenizer)
+
+
+def verify_in_background(dataset: TokenDataset) -> Future[None]:
+    """Start checking every shard's checksum of ``dataset`` (inspected without them) on a thread of this process and
+    return at once; the future's ``result()`` raises the first shard's ``DataError``. A first start-up on a dataset
+    copied from elsewhere reads all of its shards: the launch validates the rest of the config meanwhile, and waits
+    for the result before any rank starts."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distrain-checksums")
+    try:
+        return pool.submit(_verify_all, dataset)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends when the checksums are done
+
+
+def _verify_all(dataset: TokenDataset) -> None:
+    for index in dataset.splits.values():
+        verify_checksums(dataset.directory, index)

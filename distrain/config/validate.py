@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from distrain.artifacts.outputs import check_writable
-from distrain.artifacts.token_dataset import inspect_token_dataset
+from distrain.artifacts.token_dataset import inspect_token_dataset, verify_in_background
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
 from distrain.comm.checks import validate_comm
 from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
+from distrain.config.global_batch import derive_accumulation, validate_data_fits
 from distrain.config.options import Placement, own_checks
-from distrain.data.corpus import CorpusTooSmall
-from distrain.data.sampler import GlobalBatchSampler, longest_window, token_windows
 from distrain.data.token_format import DataError
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
 from distrain.errors import ArtifactError
@@ -39,7 +38,6 @@ from distrain.parallelism.checks import (
     validate_sharding,
 )
 from distrain.parallelism.compile import backend_problem
-from distrain.parallelism.layout import layout_of
 from distrain.precision.policy import autocast_supported
 from distrain.trackers.base import TrackerSetupError
 from distrain.trackers.mlflow_tracker import absolute_tracking_uri
@@ -88,7 +86,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     that are about this machine (a GPU visible here, how many, autocast probed on it) are skipped; every other
     check is the one the real launch runs.
     """
-    _validate_dataset(cfg)  # first: data=tokens reads the model's vocabulary from the dataset
+    shards_verified = _validate_dataset(cfg)  # first: data=tokens reads the model's vocabulary from the dataset
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except Exception as err:  # interpolation or missing-value errors carry the key in their message
@@ -147,6 +145,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     for note in own_checks(cfg, placement):  # each option's check_config, distrain's or the user's own
         log.warning(note)
     validate_data_fits(cfg, world_size, local)  # after the degrees are known to be valid
+    shards_verified()
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc, world_size=world_size)
 
 
@@ -302,95 +301,28 @@ def absolute_paths(cfg: DictConfig) -> None:
         OmegaConf.update(cfg, "logger.mlflow.tracking_uri", absolute_tracking_uri(uri), merge=False)
 
 
-def _validate_dataset(cfg: DictConfig) -> None:
-    """A dataset on disk (``data.path``): readable, its shards whole (and unchanged, with
-    ``data.verify_checksums``), its tokenizer readable; one line naming ``data.path`` and the file otherwise."""
+def _validate_dataset(cfg: DictConfig) -> Callable[[], None]:
+    """A dataset on disk (``data.path``): readable, its shards whole, its tokenizer readable; one line naming
+    ``data.path`` and the file otherwise. With ``data.verify_checksums`` the shards' checksums are checked on a
+    thread while the rest of the config is validated: the returned function waits for them (and raises for a shard
+    that changed)."""
     if "path" not in cfg.data.keys():  # keys(), not `in`: a missing (???) value is not `in` a DictConfig
-        return
+        return lambda: None
     path = None if OmegaConf.is_missing(cfg.data, "path") else cfg.data.path
     if not path:
         raise ConfigError("data.path", path, "a dataset directory (python -m distrain.data.prepare's output)")
     try:
-        inspect_token_dataset(path, checksums=bool(cfg.data.get("verify_checksums", True)))
+        dataset = inspect_token_dataset(path, checksums=False)
     except DataError as err:
         raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
+    if not cfg.data.get("verify_checksums", True):
+        return lambda: None
+    checksums = verify_in_background(dataset)
 
+    def wait_for_checksums() -> None:
+        try:
+            checksums.result()
+        except DataError as err:
+            raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
 
-def data_parallel_degree(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> int:
-    """Ranks reading different data: all of them for ddp and zero; dp_replicate x dp for the mesh layouts (hybrid
-    and its presets: all ranks for fsdp, one for tensor and pipeline; ``ranks_per_node`` resolves dp_replicate=-1;
-    ValueError when their degrees do not fit ``world_size``)."""
-    return layout_of(cfg.parallelism, world_size, ranks_per_node).data_parallel
-
-
-def derive_accumulation(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> None:
-    """With ``data.global_batch_size`` set, write ``trainer.grad_accum_steps`` = global batch / (micro-batch x
-    data-parallel degree) into ``cfg``: the same sequences per optimizer step under any layout. A value the layout
-    cannot divide, or an accumulation set by hand to another number, is a ConfigError."""
-    wanted = cfg.data.get("global_batch_size")
-    if wanted is None:
-        return
-    check(cfg, "data.global_batch_size", at_least(1), "an integer >= 1 (sequences per optimizer step), or null")
-    check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1")
-    hybrid = cfg.parallelism
-    try:
-        data_parallel = data_parallel_degree(cfg, world_size, ranks_per_node)
-    except (TypeError, ValueError, ZeroDivisionError):
-        return  # degrees that do not fit: validate_hybrid names the bad one
-    per_micro_step = cfg.data.micro_batch_size * data_parallel
-    if wanted % per_micro_step:
-        raise ConfigError(
-            "data.global_batch_size",
-            wanted,
-            f"a multiple of data.micro_batch_size x the data-parallel degree = {cfg.data.micro_batch_size} x "
-            f"{data_parallel} = {per_micro_step} sequences per micro-step with parallelism={hybrid.name} on "
-            f"{world_size} ranks",
-        )
-    accumulation = wanted // per_micro_step
-    if cfg.trainer.grad_accum_steps not in (1, accumulation):
-        derived = f"{accumulation}, derived from data.global_batch_size={wanted} on this layout (1 means: derive it)"
-        raise ConfigError("trainer.grad_accum_steps", cfg.trainer.grad_accum_steps, derived)
-    cfg.trainer.grad_accum_steps = accumulation
-
-
-def validate_data_fits(cfg: DictConfig, world_size: int, ranks_per_node: int | None = None) -> GlobalBatchSampler:
-    """The corpus holds one global batch of training windows, and its validation split at least one window.
-
-    Builds the corpus (what every rank will read; the built-in ones take well under a second) and returns the
-    sampler the ranks will use, for the dry run's report.
-    """
-    data_parallel = data_parallel_degree(cfg, world_size, ranks_per_node)
-    try:
-        corpus = instantiate(cfg.data.corpus)
-    except InstantiationException as err:
-        cause = err.__cause__
-        if isinstance(cause, CorpusTooSmall):
-            raise ConfigError(f"data.corpus.{cause.key}", cause.value, cause.allowed) from None
-        raise
-    train_windows = len(token_windows(corpus.train, cfg.data.seq_len))
-    if train_windows < 1:
-        raise ConfigError(
-            "data.seq_len",
-            cfg.data.seq_len,
-            f"at most {longest_window(corpus.train)}, the train split's longest run of tokens",
-        )
-    try:
-        sampler = GlobalBatchSampler(
-            num_samples=train_windows,
-            micro_batch_size=cfg.data.micro_batch_size,
-            grad_accum_steps=cfg.trainer.grad_accum_steps,
-            dp_rank=0,
-            dp_size=data_parallel,
-            seed=0,
-        )
-    except ValueError as err:
-        raise ConfigError(
-            "data.micro_batch_size", cfg.data.micro_batch_size, f"a smaller global batch: {err}"
-        ) from None
-    if len(token_windows(corpus.val, cfg.data.seq_len)) < 1:
-        raise ConfigError(
-            "data.seq_len",
-            cfg.data.seq_len,
-            f"at most {longest_window(corpus.val)}, the validation split's longest run of tokens",
-        )
-    return sampler
+    return wait_for_checksums

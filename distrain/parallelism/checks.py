@@ -250,14 +250,6 @@ def validate_tensor(cfg: DictConfig, world_size: int) -> None:
         )
 
 
-def hybrid_degrees(
-    cfg: DictConfig, world_size: int, ranks_per_node: int | None = None, with_experts: bool = True
-) -> Layout:
-    """The layout ``cfg.parallelism`` resolves to on ``world_size`` ranks (``layout_of``); ValueError when its degrees
-    do not fit it. Without ``with_experts`` ep is left out (its own check names it)."""
-    return layout_of(cfg.parallelism, world_size, ranks_per_node, with_experts=with_experts)
-
-
 def single_copy_note(cfg: DictConfig, world_size: int, ranks_per_node: int | None) -> str | None:
     """One line when ``parallelism=hsdp`` (one copy per node) runs on one node whose ranks could hold two copies:
     it resolves to one copy, sharded over every dp rank, which is what ``parallelism=fsdp`` does."""
@@ -265,7 +257,7 @@ def single_copy_note(cfg: DictConfig, world_size: int, ranks_per_node: int | Non
         return None
     if ranks_per_node is None or ranks_per_node < world_size:  # several nodes: a copy per node, as asked
         return None
-    degrees = hybrid_degrees(cfg, world_size, ranks_per_node)
+    degrees = layout_of(cfg.parallelism, world_size, ranks_per_node)
     model_copy = degrees.tp * degrees.pp * degrees.cp  # the ranks one data-parallel rank's model spans
     if world_size % (2 * model_copy) or world_size // (2 * model_copy) < 2:  # two sharded copies must fit
         return None
@@ -291,7 +283,7 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
     if hybrid.dp_replicate != 1 and hybrid.dp_mode != "fsdp":
         raise ConfigError("parallelism.dp_replicate", hybrid.dp_replicate, "1 with dp_mode=replicate (use dp)")
     try:
-        degrees = hybrid_degrees(cfg, world_size, ranks_per_node, with_experts=False)
+        degrees = layout_of(cfg.parallelism, world_size, ranks_per_node, with_experts=False)
     except ValueError as err:
         raise ConfigError(
             *_misfit_degree(hybrid, world_size), f"degrees whose product is the world size {world_size}: {err}"

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from distrain.config.validate import ConfigError, Target, data_parallel_degree, validate, validate_data_fits
+from distrain.config.global_batch import validate_data_fits
+from distrain.config.validate import ConfigError, Target, validate
 from distrain.launch.process_group import resolve_device_type
 from distrain.launch.ranks import default_nproc_per_node
 from distrain.parallelism.capabilities import capabilities_of
@@ -184,7 +185,7 @@ def plan(cfg: DictConfig) -> DryRunReport:
     finally:
         dist.destroy_process_group()
         _forget_destroyed_meshes()
-    data_parallel = data_parallel_degree(cfg, target.world_size, target.ranks_per_node)
+    data_parallel = layout_of(cfg.parallelism, target.world_size, target.ranks_per_node).data_parallel
     # validate() checked it; the sampler sizes the report
     sampler = validate_data_fits(cfg, target.world_size, target.ranks_per_node)
     return DryRunReport(

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from distrain.checkpoint.preflight import pipeline_stages
 from distrain.config.validate import ConfigError, validate
-from distrain.parallelism.checks import hybrid_degrees
 from distrain.parallelism.hybrid import _ComposedModel, _ComposedPipeline
+from distrain.parallelism.layout import layout_of
 
 DEGREES = ("replicate", "dp", "cp", "tp", "pp")
 
@@ -29,7 +29,7 @@ DEGREES = ("replicate", "dp", "cp", "tp", "pp")
     ],
 )
 def test_the_presets_resolve_their_minus_one_to_the_rest_of_the_ranks(overrides, ranks, expected):
-    degrees = hybrid_degrees(compose_config([*FAST, *overrides]), ranks)
+    degrees = layout_of(compose_config([*FAST, *overrides]).parallelism, ranks)
     assert tuple(getattr(degrees, axis) for axis in DEGREES) == expected
 
 
