@@ -9,6 +9,8 @@ during WSD's constant phase with a larger ``trainer.max_steps`` continues exactl
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import TypedDict, Unpack
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -54,28 +56,21 @@ def warmup_decay_factor(
     return min_lr_ratio + (1.0 - min_lr_ratio) * remaining(shape, progress)
 
 
-def warmup_decay_schedule(
-    optimizer: torch.optim.Optimizer,
-    *,
-    total_steps: int,
-    warmup_steps: int,
-    decay: str,
-    min_lr_ratio: float,
-    decay_fraction: float = 0.2,
-    decay_shape: str = "linear",
-) -> LambdaLR:
-    """A LambdaLR stepping once per optimizer step; its state (the last step and each group's base learning rate)
-    goes into checkpoints, the schedule's shape does not (it is rebuilt from the config on resume)."""
+class ScheduleShape(TypedDict, total=False):
+    """``warmup_decay_factor``'s keywords, as the ``scheduler`` config gives them (total_steps from the trainer)."""
 
-    def factor(step: int) -> float:
-        return warmup_decay_factor(
-            step,
-            warmup_steps=warmup_steps,
-            total_steps=total_steps,
-            decay=str(decay),
-            min_lr_ratio=min_lr_ratio,
-            decay_fraction=decay_fraction,
-            decay_shape=str(decay_shape),
-        )
+    total_steps: int
+    warmup_steps: int
+    decay: str
+    min_lr_ratio: float
+    decay_fraction: float
+    decay_shape: str
 
-    return LambdaLR(optimizer, factor)
+
+def warmup_decay_schedule(optimizer: torch.optim.Optimizer, **shape: Unpack[ScheduleShape]) -> LambdaLR:
+    """A LambdaLR stepping once per optimizer step, its factor ``warmup_decay_factor(step, **shape)``; its state
+    (the last step and each group's base learning rate) goes into checkpoints, the schedule's shape does not (it
+    is rebuilt from the config on resume)."""
+    # str(): the config's enum members become the plain names the factor compares
+    plain = {key: str(value) if key in ("decay", "decay_shape") else value for key, value in shape.items()}
+    return LambdaLR(optimizer, partial(warmup_decay_factor, **plain))

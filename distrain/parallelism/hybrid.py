@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
@@ -125,6 +125,39 @@ def compose(
     return module
 
 
+class MeshSettings(TypedDict, total=False):
+    """The mesh's keys of ``parallelism=hybrid`` (and its presets), as the config and ``HybridStrategy`` take them.
+
+    dp_replicate: copies of the model's FSDP groups (HSDP: shard within a group of ``dp`` ranks, replicate across
+        groups); -1: one per node.
+    dp: data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x cp x tp x pp).
+    tp: tensor-parallel degree (heads and MLP units split); -1 as dp (one of dp, tp, pp may be -1).
+    pp: pipeline-parallel degree (stages); -1 as dp.
+    cp: context-parallel degree: every sequence split over ``cp`` ranks, load-balanced
+        (``distrain.parallelism.context``); ``pp == 1`` only.
+    ep: expert-parallel degree: the experts split over ``ep`` of the dp ranks, token-slots sent to their expert's
+        rank by all-to-all (the model spec's ``expert_parallel`` plan); FSDP shards the rest over dp.
+    fsdp_stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees them.
+    dp_mode: ``fsdp`` shards parameters, gradients and optimizer state over dp (reduce-scatter of gradients);
+        ``replicate`` keeps them whole on every dp rank and all-reduces gradients once per step: DDP's semantics,
+        through FSDP2's replicate dimension (the one data-parallel wrapper that composes with DTensor tensor
+        parallelism and pipeline stages).
+    cpu_offload: FSDP's parameter, gradient and optimizer shards kept in CPU memory (GPU runs only).
+    stage: the old name of ``fsdp_stage``; it wins when set.
+    """
+
+    dp_replicate: int
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    fsdp_stage: int
+    dp_mode: str
+    cpu_offload: bool
+    stage: int | None
+
+
 @dataclass(frozen=True)
 class ConfiguredMesh:
     """The configured degrees (``dp=-1``: the rest of the world size) and how the dp axis holds the model."""
@@ -138,6 +171,26 @@ class ConfiguredMesh:
     cp: int = 1
     ep: int = 1
     cpu_offload: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Any, *, with_experts: bool = True) -> ConfiguredMesh:
+        """From a ``parallelism`` config node or ``HybridStrategy``'s mesh keywords (``MeshSettings``; a key left
+        out takes the schema's default). Without ``with_experts`` ep is 1 (its own check names it)."""
+        unknown = set(settings) - set(MeshSettings.__annotations__) if isinstance(settings, dict) else set()
+        if unknown:
+            raise TypeError(f"HybridStrategy got unexpected keyword arguments {sorted(unknown)}")
+        stage = settings.get("stage")
+        return cls(
+            dp=int(settings.get("dp", 1)),
+            tp=int(settings.get("tp", 1)),
+            pp=int(settings.get("pp", 1)),
+            dp_mode=str(settings.get("dp_mode", "fsdp")),
+            fsdp_stage=int(settings.get("fsdp_stage", 3) if stage is None else stage),
+            dp_replicate=int(settings.get("dp_replicate", 1)),
+            cp=int(settings.get("cp", 1)),
+            ep=int(settings.get("ep", 1)) if with_experts else 1,
+            cpu_offload=bool(settings.get("cpu_offload", False)),
+        )
 
     def degrees(self, world_size: int, ranks_per_node: int | None) -> Layout:
         return Layout.resolve(
@@ -168,14 +221,6 @@ def data_parallel_rank(mesh: DeviceMesh, degrees: Layout) -> int:
 def HybridStrategy(  # noqa: N802 - the config's target, named like the other strategies
     *,
     name: str = "hybrid",
-    dp_replicate: int = 1,
-    dp: int,
-    tp: int,
-    pp: int,
-    cp: int = 1,
-    ep: int = 1,
-    fsdp_stage: int,
-    dp_mode: str,
     sequence_parallel: bool,
     loss_parallel: bool,
     schedule: str,
@@ -183,51 +228,24 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     virtual_stages: int,
     split_points: list[int],
     activation_checkpointing: list[int],
-    cpu_offload: bool = False,
-    stage: int | None = None,
     microbatches: int | None = None,
+    **mesh: Unpack[MeshSettings],
 ) -> PipelineStrategy | LocalBackwardStrategy:
     """A pipeline of composed stages when ``pp != 1`` (-1: the ranks the other degrees leave, even one), else one
-    composed model driven like the other local-backward strategies; the mesh is built at setup, when the world size
-    is known.
+    composed model driven like the other local-backward strategies; the mesh (``MeshSettings``: its degrees and how
+    dp holds the model) is built at setup, when the world size is known.
 
     Args:
-        dp_replicate: copies of the model's FSDP groups (HSDP: shard within a group of ``dp`` ranks, replicate
-            across groups); -1: one per node.
-        dp: data-parallel (FSDP sharding) degree; -1: world size / (dp_replicate x cp x tp x pp).
-        tp: tensor-parallel degree (heads and MLP units split); -1 as dp (one of dp, tp, pp may be -1).
-        pp: pipeline-parallel degree (stages); -1 as dp.
-        cp: context-parallel degree: every sequence split over ``cp`` ranks, load-balanced
-            (``distrain.parallelism.context``); ``pp == 1`` only.
-        ep: expert-parallel degree: the experts split over ``ep`` of the dp ranks, token-slots sent to their
-            expert's rank by all-to-all (the model spec's ``expert_parallel`` plan); FSDP shards the rest over dp.
-        fsdp_stage: FSDP sharding on the dp axis: 2 keeps gathered parameters from forward to backward, 3 frees
-            them.
-        dp_mode: ``fsdp`` shards parameters, gradients and optimizer state over dp (reduce-scatter of gradients);
-            ``replicate`` keeps them whole on every dp rank and all-reduces gradients once per step: DDP's
-            semantics, through FSDP2's replicate dimension (the one data-parallel wrapper that composes with DTensor
-            tensor parallelism and pipeline stages).
         sequence_parallel, loss_parallel: tensor parallelism's options (``pp == 1`` only).
         schedule, pipeline_microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's,
             as in ``parallelism=pipeline``.
-        cpu_offload: FSDP's parameter, gradient and optimizer shards kept in CPU memory (GPU runs only).
-        stage, microbatches: the old names of ``fsdp_stage`` and ``pipeline_microbatches``; they win when set.
+        microbatches: the old name of ``pipeline_microbatches``; it wins when set.
 
     ``parallelism=fsdp``, ``hsdp``, ``tensor`` and ``pipeline`` are presets of this strategy (config files that set
     the degrees: fsdp ``dp=-1``; hsdp ``dp_replicate=-1 dp=-1``; tensor ``dp=1 tp=-1``; pipeline ``dp=1 pp=-1``).
     """
-    configured = ConfiguredMesh(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        dp_mode=dp_mode,
-        fsdp_stage=fsdp_stage if stage is None else stage,
-        dp_replicate=dp_replicate,
-        cp=cp,
-        ep=ep,
-        cpu_offload=cpu_offload,
-    )
-    if pp != 1:  # -1: a pipeline over the ranks the other degrees leave
+    configured = ConfiguredMesh.from_settings(mesh)
+    if configured.pp != 1:  # -1: a pipeline over the ranks the other degrees leave
         return _ComposedPipeline(
             configured,
             name=name,
@@ -245,17 +263,7 @@ def resolve_hybrid_layout(
 ) -> Layout:
     """The layout a ``parallelism=hybrid`` config (or a preset of it) resolves to; ValueError when its degrees do not
     fit ``world_size``. The same resolution the strategy's setup makes (``ConfiguredMesh.degrees``)."""
-    stage = parallelism.get("stage") or parallelism.get("fsdp_stage", 3)  # the old name wins when set
-    configured = ConfiguredMesh(
-        dp=int(parallelism.get("dp", 1)),
-        tp=int(parallelism.get("tp", 1)),
-        pp=int(parallelism.get("pp", 1)),
-        dp_mode=str(parallelism.get("dp_mode", "fsdp")),
-        fsdp_stage=int(stage),
-        dp_replicate=int(parallelism.get("dp_replicate", 1)),
-        cp=int(parallelism.get("cp", 1)),
-        ep=int(parallelism.get("ep", 1)) if with_experts else 1,
-    )
+    configured = ConfiguredMesh.from_settings(parallelism, with_experts=with_experts)
     return configured.degrees(world_size, ranks_per_node)
 
 

@@ -85,12 +85,8 @@ class GPT(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        self.vocab_size, self.max_seq_len, self.d_model, self.n_layers = (
-            vocab_size,
-            max_seq_len,
-            d_model,
-            n_layers,
-        )
+        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.d_model, self.n_layers = d_model, n_layers
         self.n_heads, self.mlp_ratio, self.dropout = n_heads, mlp_ratio, dropout
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_seq_len, d_model)

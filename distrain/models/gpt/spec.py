@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from omegaconf import DictConfig
 from torch import nn
 
@@ -21,8 +23,7 @@ NAMES = DecoderNames(
 )
 
 
-def tensor_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, object]:
-    return decoder_plan(model, NAMES, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+tensor_plan = partial(decoder_plan, names=NAMES)
 
 
 def tensor_problem(model: nn.Module, degree: int, split_head: bool) -> ConfigProblem | None:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from distrain.models.common.hf import decoder_fields, decoder_sizes
+
 if TYPE_CHECKING:
     from transformers import LlamaConfig
 
@@ -73,20 +75,9 @@ def hf_config(model: Llama) -> LlamaConfig:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=model.vocab_size,
-        hidden_size=model.d_model,
+        **decoder_fields(model),
         intermediate_size=model.ffn_hidden,
-        num_hidden_layers=model.n_layers,
-        num_attention_heads=model.n_heads,
-        num_key_value_heads=model.n_kv_heads,
-        head_dim=model.head_dim,
-        max_position_embeddings=model.max_seq_len,
-        rms_norm_eps=model.norm_eps,
-        rope_theta=model.rope_theta,
         rope_scaling=None if model.rope_scaling is None else dict(model.rope_scaling),
-        tie_word_embeddings=model.tie_embeddings,
-        initializer_range=model.init_std,
-        hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
     )
@@ -105,16 +96,9 @@ def from_hf_config(config: LlamaConfig) -> dict[str, Any]:
     theta = rope.pop("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     is_default = rope.get("rope_type", rope.get("type", "default")) == "default"
     return {
-        "vocab_size": config.vocab_size,
-        "max_seq_len": config.max_position_embeddings,
-        "d_model": config.hidden_size,
-        "n_layers": config.num_hidden_layers,
-        "n_heads": config.num_attention_heads,
-        "n_kv_heads": config.num_key_value_heads or config.num_attention_heads,
+        **decoder_sizes(config),
         "ffn_hidden": config.intermediate_size,
-        "norm_eps": config.rms_norm_eps,
         "rope_theta": float(theta),
         "rope_scaling": None if is_default else rope,
         "tie_embeddings": bool(config.tie_word_embeddings),
-        "init_std": config.initializer_range,
     }

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -12,6 +12,7 @@ from torch import nn
 
 from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.errors import ArtifactError
+from distrain.models.common.spec import DECODER_MODULES, enable_context_parallel
 from distrain.models.llama.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ConfigProblem, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
@@ -27,8 +28,7 @@ NAMES = DecoderNames(
 )
 
 
-def tensor_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, object]:
-    return decoder_plan(model, NAMES, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+tensor_plan = partial(decoder_plan, names=NAMES)
 
 
 def tensor_problem(model: nn.Module, degree: int, split_head: bool) -> ConfigProblem | None:
@@ -136,22 +136,9 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return float(6 * matmul_weights + attention)
 
 
-def enable_context_parallel(model: nn.Module, context: Any) -> None:
-    """Make every attention module of ``model`` (or of a pipeline stage) attend with ``context``, a
-    ``distrain.parallelism.context.ContextParallel``: the model then takes this rank's load-balanced share of each
-    sequence. Attention modules are found by what they hold (``context`` and ``n_rep``), so the mixture of experts'
-    blocks, which reuse Llama's attention, are found too."""
-    for module in model.modules():
-        if hasattr(module, "context") and hasattr(module, "n_rep"):
-            module.context = context
-
-
 LLAMA_SPEC = ModelSpec(
     name="llama",
-    blocks="layers",
-    before_blocks=("tok_embeddings",),
-    after_blocks=("norm", "output"),
-    width="d_model",
+    **DECODER_MODULES,
     tensor_plan=tensor_plan,
     tensor_options=("sequence_parallel", "loss_parallel"),
     tensor_problem=tensor_problem,

@@ -46,12 +46,8 @@ class MLPLanguageModel(nn.Module):
 
     def __init__(self, *, vocab_size: int, max_seq_len: int, d_model: int, hidden: int, n_layers: int) -> None:
         super().__init__()
-        self.vocab_size, self.max_seq_len, self.d_model, self.n_layers = (
-            vocab_size,
-            max_seq_len,
-            d_model,
-            n_layers,
-        )
+        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.d_model, self.n_layers = d_model, n_layers
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleDict({str(i): MLPBlock(d_model, hidden) for i in range(n_layers)})
         self.norm = nn.LayerNorm(d_model)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from distrain.models.common.hf import decoder_fields, decoder_sizes
 from distrain.models.llama.hf import from_hf as llama_from_hf
 from distrain.models.llama.hf import to_hf as llama_to_hf
 
@@ -121,19 +122,8 @@ def hf_config(model: MoE) -> MixtralConfig:
     from transformers import MixtralConfig
 
     return MixtralConfig(
-        vocab_size=model.vocab_size,
-        hidden_size=model.d_model,
+        **decoder_fields(model),
         intermediate_size=model.expert_hidden,
-        num_hidden_layers=model.n_layers,
-        num_attention_heads=model.n_heads,
-        num_key_value_heads=model.n_kv_heads,
-        head_dim=model.head_dim,
-        max_position_embeddings=model.max_seq_len,
-        rms_norm_eps=model.norm_eps,
-        rope_theta=model.rope_theta,  # transformers 5 moves it into rope_parameters (rope_type default)
-        tie_word_embeddings=False,
-        initializer_range=model.init_std,
-        hidden_act="silu",
         sliding_window=None,  # full causal attention, as ours
         attention_dropout=0.0,
         num_local_experts=model.n_experts,
@@ -172,17 +162,10 @@ def from_hf_config(config: MixtralConfig) -> dict[str, Any]:
     rope = dict(getattr(config, "rope_parameters", None) or {})
     theta = rope.get("rope_theta", getattr(config, "rope_theta", None) or 1e6)
     return {
-        "vocab_size": config.vocab_size,
-        "max_seq_len": config.max_position_embeddings,
-        "d_model": config.hidden_size,
-        "n_layers": config.num_hidden_layers,
-        "n_heads": config.num_attention_heads,
-        "n_kv_heads": config.num_key_value_heads or config.num_attention_heads,
+        **decoder_sizes(config),
         "expert_hidden": config.intermediate_size,
         "n_experts": config.num_local_experts,
         "top_k": config.num_experts_per_tok,
         "load_balance_coef": float(config.router_aux_loss_coef),
-        "norm_eps": config.rms_norm_eps,
         "rope_theta": float(theta),
-        "init_std": config.initializer_range,
     }

@@ -7,15 +7,14 @@ objective and to log the experts' load. The model holds no buffers, so it can be
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from distrain.models.hf_weights import load_hf_weights
-from distrain.models.llama.model import Attention, Llama, RMSNorm
+from distrain.models.common.attention import Attention
+from distrain.models.common.decoder import Decoder, DecoderSizes, RMSNorm
 from distrain.models.moe.spec import MOE_SPEC
 
 if TYPE_CHECKING:
@@ -175,73 +174,31 @@ class MoEBlock(nn.Module):
         return h + self.moe(self.ffn_norm(h))
 
 
-class MoE(nn.Module):
-    """Mixture-of-experts decoder: embedding, ``n_layers`` MoE blocks, final norm and LM head.
-
-    As for Llama, a pipeline splitter may set ``tok_embeddings``, ``norm`` or ``output`` to None and drop entries of
-    ``layers``; ``forward`` then skips them (the spec refuses pipelines anyway, for the auxiliary loss).
-    """
+class MoE(Decoder):
+    """Mixture-of-experts decoder: Llama's, with top-k routed experts as each block's MLP (the spec refuses
+    pipelines, for the auxiliary loss)."""
 
     parallel_spec = MOE_SPEC
 
     def __init__(
         self,
         *,
-        vocab_size: int,
-        max_seq_len: int,
-        d_model: int,
-        n_layers: int,
-        n_heads: int,
-        n_kv_heads: int | None = None,
         expert_hidden: int,
         n_experts: int,
         top_k: int,
         load_balance_coef: float = 0.01,
         z_loss_coef: float = 0.001,
-        norm_eps: float = 1e-5,
-        rope_theta: float = 10000.0,
-        init_std: float = 0.02,
         init_from: str | None = None,
+        **sizes: Unpack[DecoderSizes],
     ) -> None:
-        super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if d_model % n_heads or (d_model // n_heads) % 2:
-            raise ValueError(f"d_model {d_model} must split into {n_heads} heads of even size")
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
-        self.vocab_size, self.max_seq_len, self.d_model = vocab_size, max_seq_len, d_model
-        self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim = n_layers, n_heads, n_kv_heads, d_model // n_heads
+        experts = (expert_hidden, n_experts, top_k, load_balance_coef, z_loss_coef)
+
+        def block(decoder: Decoder) -> MoEBlock:
+            heads = (decoder.d_model, decoder.n_heads, decoder.n_kv_heads)
+            return MoEBlock(*heads, *experts, decoder.norm_eps, decoder.rope_theta)
+
+        # the router and the experts' 3-D weights initialise themselves
+        super().__init__(**sizes, block=block, self_initialising=(MoEFeedForward,))
         self.expert_hidden, self.n_experts, self.top_k = expert_hidden, n_experts, top_k
         self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
-        self.norm_eps, self.rope_theta, self.init_std = norm_eps, rope_theta, init_std
-
-        self.tok_embeddings = nn.Embedding(vocab_size, d_model)
-        block_args = (d_model, n_heads, n_kv_heads, expert_hidden, n_experts, top_k)
-        block_args += (load_balance_coef, z_loss_coef, norm_eps, rope_theta)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(*block_args) for i in range(n_layers)})
-        self.norm = RMSNorm(d_model, norm_eps)
-        self.output = nn.Linear(d_model, vocab_size, bias=False)
-        self.reset_parameters()
-        if init_from and not self.output.weight.is_meta:  # on the meta device (validation) there is nothing to fill
-            load_hf_weights(self, init_from)  # a Mixtral directory, renamed by the spec's from_hf (moe/hf.py)
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Initialise in place, on whatever device the parameters live (meta included).
-
-        Residual-branch outputs (``wo`` and the experts' ``w2``) get ``init_std / sqrt(2 * n_layers)``; each expert
-        alone sees the residual stream as a dense MLP would, so the experts share the dense model's stds.
-        """
-        residual_std = self.init_std / math.sqrt(2 * self.n_layers)
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, MoEFeedForward):
-                module.reset_parameters(self.init_std, residual_std)
-        for name, param in self.named_parameters():
-            if param.dim() == 2 and ".moe." not in name:
-                std = residual_std if name.endswith("wo.weight") else self.init_std
-                nn.init.normal_(param, mean=0.0, std=std)
-
-    # The same children under the same names as Llama's: its one skip-what-is-None forward serves both.
-    forward = Llama.forward
+        self.initialise(init_from)  # a Mixtral directory, renamed by the spec's from_hf (moe/hf.py)

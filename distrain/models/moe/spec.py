@@ -15,9 +15,9 @@ from omegaconf import DictConfig
 from torch import nn
 
 from distrain.config.checks import ConfigError, at_least, check
+from distrain.models.common.spec import DECODER_MODULES, enable_context_parallel
 from distrain.models.llama.spec import check_config as check_llama_config
 from distrain.models.llama.spec import check_init_from as check_llama_init_from
-from distrain.models.llama.spec import enable_context_parallel
 from distrain.models.moe.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ExpertParallelPlan, ModelSpec, default_parameter_roles
 
@@ -166,10 +166,7 @@ EXPERT_PLAN = ExpertParallelPlan(
 
 MOE_SPEC = ModelSpec(
     name="moe",
-    blocks="layers",
-    before_blocks=("tok_embeddings",),
-    after_blocks=("norm", "output"),
-    width="d_model",
+    **DECODER_MODULES,
     tensor_plan=None,
     flops_per_token=flops_per_token,
     auxiliary_loss=auxiliary_loss,
@@ -178,7 +175,7 @@ MOE_SPEC = ModelSpec(
     to_hf=to_hf,
     from_hf=from_hf,
     hf_config=hf_config,
-    context_parallel=enable_context_parallel,  # Llama's attention, so Llama's context parallelism
+    context_parallel=enable_context_parallel,  # the family's attention, so its context parallelism
     expert_parallel=EXPERT_PLAN,
     roles=parameter_roles,
 )
