@@ -79,3 +79,28 @@ def test_bad_expert_parallel_settings_are_refused_in_one_line(overrides, key, al
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert err.value.key == key and allowed in str(err.value), str(err.value)
+
+
+# moe_tiny without expert parallelism: FSDP trains it and logs its routing; model parallelism is refused.
+MOE_TRAIN = ["model=moe_tiny", "checkpoint=none", "logger=none", "data.corpus.max_bytes=200000", "hydra.run.dir=run"]
+
+
+def test_fsdp_trains_and_logs_routing_metrics(tmp_path):
+    result = run_train([*MOE_TRAIN, "parallelism=fsdp", "trainer.max_steps=8", "trainer.log_every=1"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    assert {"moe_load_balance", "moe_z_loss", "moe_max_load"} <= records[-1].keys()
+    assert sum(records[-1][f"moe_expert{i}_frac"] for i in range(8)) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "parallelism, reason",
+    [("tensor", "has no tensor-parallel plan"), ("pipeline", "adds an auxiliary loss inside its blocks")],
+)
+def test_model_parallel_strategies_are_refused_before_any_rank_starts(tmp_path, parallelism, reason):
+    result = run_train([*MOE_TRAIN, f"parallelism={parallelism}", "trainer.max_steps=2"], tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert reason in line and "moe" in line

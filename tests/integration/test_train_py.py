@@ -226,3 +226,23 @@ def test_optuna_sweep_minimises_the_returned_validation_loss(tmp_path):
     best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["best_value"]
     val_losses = [json.loads((tmp_path / "sweep" / job / "summary.json").read_text())["final_val_loss"] for job in "01"]
     assert best == min(val_losses)
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("optimizer.lr=-1", "optimizer.lr=-1.0 is not allowed: a learning rate > 0"),  # validation's
+        ("trainer.max_step=5", "trainer.max_step=5 is not allowed: no such key"),  # composition's (Hydra's)
+        # the checkpoint directory's, as the launch prepares it
+        ("checkpoint.dir=/proc/nope", "checkpoint.dir='/proc/nope' is not allowed: a directory this job can create"),
+    ],
+)
+def test_a_refused_value_is_one_line_exit_2_and_no_run(tmp_path, override, needle):
+    """What train.py does with any refusal (tests/unit/test_config_keys.py has every key's and combination's words):
+    one line naming the key, the value and what is allowed, exit 2, no traceback, and no run started."""
+    result = run_train([override], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"distrain: invalid config: {needle}"] or needle in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not list(tmp_path.rglob("metrics.jsonl"))

@@ -238,6 +238,31 @@ KEYS = {
 }
 
 
+# Refusals that no one key's range explains: a combination of options, or what Hydra cannot compose at all.
+COMBINATIONS = [
+    (
+        compose("parallelism=warp"),
+        "parallelism='warp' is not allowed: one of ddp, fsdp, hsdp, hybrid, pipeline, single",
+    ),
+    (compose("trainer.max_step=5"), "trainer.max_step=5 is not allowed: no such key"),
+    (compose("+trainer.foo=1"), "trainer.foo=1 is not allowed: no such key in trainer (one of max_steps, seed"),
+    (compose("trainer.max_steps=many"), "trainer.max_steps='many' is not allowed: an integer"),
+    (compose("trainer.seed=null"), "trainer.seed=null is not allowed: an integer, not null"),
+    (compose("comm.static_graph=maybe"), "comm.static_graph='maybe' is not allowed: true or false"),
+    (compose("trainer.grad_clip_norm=false"), "trainer.grad_clip_norm=false is not allowed: a number"),
+    (
+        compose("parallelism.tp=2"),
+        "parallelism.tp=2 is not allowed: no such key (one of name, find_unused_parameters); it is a key of "
+        "parallelism=fsdp, hsdp, hybrid, pipeline, tensor",
+    ),
+    (check("distributed.device=cuda"), "distributed.device='cuda' is not allowed"),
+    (check("parallelism=zero", "stage=4"), "stage=4 is not allowed: parallelism=zero takes stage 1 or 2 or 3"),
+    (check("parallelism=zero", "parallelism.offload_param=cpu"), "parallelism.offload_param='cpu' is not allowed"),
+    (check("comm=topk", "comm.density=2"), "comm.density=2.0 is not allowed: a fraction in (0, 1]"),
+    (check("parallelism=fsdp", "comm=topk"), "comm='topk' is not allowed: comm=default with parallelism=fsdp"),
+]
+
+
 def schema_keys(cls, prefix=""):
     for entry in dataclasses.fields(cls):
         if entry.name.startswith("_"):
@@ -286,3 +311,16 @@ def test_a_wrong_value_is_refused_naming_the_key_and_what_is_allowed(key, how, a
         named.add(key.split(".")[0])
     assert refused.value.key in named and allowed in str(refused.value), str(refused.value)
     assert f"{refused.value.key}=" in str(refused.value)
+
+
+@pytest.mark.parametrize("how,words", COMBINATIONS, ids=[" ".join(how[1]) for how, _ in COMBINATIONS])
+def test_a_combination_or_an_uncomposable_override_is_refused_in_the_same_words(how, words):
+    kind, overrides = how
+    overrides = [*FAST, *overrides]
+    if kind == "compose":
+        problem = composition_error(overrides)
+    else:
+        with pytest.raises(ConfigError) as refused:
+            validate(compose_config(overrides))
+        problem = str(refused.value)
+    assert problem is not None and words in problem, problem

@@ -1,15 +1,13 @@
 """The mixture-of-experts family: routing against a dense reference, the auxiliary losses, the objective's gradient,
-the active-parameter FLOPs formula, meta-device construction, and train.py with model=moe_tiny (FSDP trains and logs
-the routing metrics; tensor and pipeline parallelism are refused before any rank starts)."""
+the active-parameter FLOPs formula and meta-device construction (train.py with model=moe_tiny:
+tests/integration/test_expert_parallel_training.py)."""
 
-import json
 import math
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_train
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -198,30 +196,3 @@ def test_init_std():
     assert moe.w1.std().item() == pytest.approx(0.02, rel=0.05)
     assert moe.w2.std().item() == pytest.approx(0.02 / 4, rel=0.05)
     assert model.layers["0"].attention.wo.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
-
-
-# ---------------------------------------------------------------------------------------------- train.py
-TRAIN = ["model=moe_tiny", "checkpoint=none", "logger=none", "data.corpus.max_bytes=200000", "hydra.run.dir=run"]
-
-
-@pytest.mark.integration
-def test_fsdp_trains_and_logs_routing_metrics(tmp_path):
-    result = run_train([*TRAIN, "parallelism=fsdp", "trainer.max_steps=8", "trainer.log_every=1"], tmp_path)
-    assert result.returncode == 0, result.stderr
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
-    assert len(losses) == 8 and losses[-1] < losses[0]
-    assert {"moe_load_balance", "moe_z_loss", "moe_max_load"} <= records[-1].keys()
-    assert sum(records[-1][f"moe_expert{i}_frac"] for i in range(8)) == pytest.approx(1.0)
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize(
-    "parallelism, reason",
-    [("tensor", "has no tensor-parallel plan"), ("pipeline", "adds an auxiliary loss inside its blocks")],
-)
-def test_model_parallel_strategies_are_refused_before_any_rank_starts(tmp_path, parallelism, reason):
-    result = run_train([*TRAIN, f"parallelism={parallelism}", "trainer.max_steps=2"], tmp_path, timeout=120)
-    assert result.returncode == 2, result.stderr
-    (line,) = result.stderr.strip().splitlines()
-    assert reason in line and "moe" in line

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import compose_config, run_train
+from helpers import compose_config
 from hydra.utils import instantiate
 
 from distrain.config.validate import ConfigError
@@ -103,13 +103,3 @@ def test_dry_run_refuses_layouts_that_cannot_divide(overrides, key):
     with pytest.raises(ConfigError) as err:
         planned(*overrides.split())
     assert err.value.key == key and f"{key}=3 is not allowed" in str(err.value)
-
-
-@pytest.mark.integration
-def test_train_py_dry_run_refuses_an_undividable_cp_in_one_line(tmp_path):
-    result = run_train(["dry_run=true", *HYBRID, *REFUSED[1][0].split()], cwd=tmp_path, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "distrain: invalid config: parallelism.cp=3 is not allowed: degrees whose product is the world size 64: "
-        "dp_replicate x cp x tp x pp = 3 does not divide the world size 64"
-    ]
