@@ -1,4 +1,5 @@
-"""Checks of the ``comm`` options against the parallelism, the optimizer and the world size (before any rank)."""
+"""The ``comm`` options' checks against the parallelism, the optimizer and the world size, before any rank starts;
+each method's ``check_config`` (``DDPComm`` and its subclasses) calls those that concern it."""
 
 from __future__ import annotations
 
@@ -9,35 +10,45 @@ from distrain.optim.capabilities import optimizer_capabilities
 from distrain.parallelism.capabilities import capabilities_of
 
 
-def validate_comm(cfg: DictConfig, world_size: int) -> list[str]:
-    """Refuse impossible ``comm`` settings in one line (ConfigError); return warnings for combinations that run
-    but are known to train worse (one line each)."""
+def check_averaging(cfg: DictConfig, *, as_hook: bool) -> list[str]:
+    """What every comm method takes: a bucket size; a method other than plain averaging (``as_hook``) runs as a DDP
+    communication hook, so the strategy must accept hooks (its ``comm_hooks`` capability)."""
+    check(cfg, "comm.bucket_cap_mb", positive, "a size in MiB > 0")
     comm = cfg.comm
-    if comm.name != "default" and not capabilities_of(cfg.parallelism).comm_hooks:
+    if as_hook and not capabilities_of(cfg.parallelism).comm_hooks:
         raise ConfigError(
             "comm",
             comm.name,
             f"comm=default with parallelism={cfg.parallelism.name}; comm={comm.name} is a DDP communication hook "
             "and combines only with parallelism=ddp (zero, fsdp, pipeline, tensor and single have no DDP hooks)",
         )
-    if "quality_every" in comm:
-        check(cfg, "comm.quality_every", at_least(0), "an integer >= 0 (0 turns the quality guard off)")
-        check(cfg, "comm.quality_threshold", positive, "a relative error > 0")
-    if comm.name == "powersgd" or "start_iter" in comm:
-        check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the gradient approximation)")
-        check(cfg, "comm.start_iter", at_least(2), "an integer >= 2 (DDP rebuilds its buckets after step 1)")
-        check(cfg, "comm.min_compression_rate", positive, "a number > 0")
-    if "ranks_per_node" in comm and comm.ranks_per_node is not None:
+    return []
+
+
+def check_quality_guard(cfg: DictConfig) -> None:
+    check(cfg, "comm.quality_every", at_least(0), "an integer >= 0 (0 turns the quality guard off)")
+    check(cfg, "comm.quality_threshold", positive, "a relative error > 0")
+
+
+def check_powersgd(cfg: DictConfig) -> None:
+    check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the gradient approximation)")
+    check(cfg, "comm.start_iter", at_least(2), "an integer >= 2 (DDP rebuilds its buckets after step 1)")
+    check(cfg, "comm.min_compression_rate", positive, "a number > 0")
+
+
+def check_hierarchical(cfg: DictConfig, world_size: int) -> None:
+    if cfg.comm.ranks_per_node is not None:
         check(
             cfg,
             "comm.ranks_per_node",
             lambda v: v >= 1 and world_size % v == 0,
             f"a divisor of the world size ({world_size}), or null for the launcher's ranks per node",
         )
-    return _validate_topk(cfg) if "density" in comm else []
 
 
-def _validate_topk(cfg: DictConfig) -> list[str]:
+def check_topk(cfg: DictConfig) -> list[str]:
+    """Top-k's density, warm-up, momentum correction and feedback against the optimizer and the precision;
+    returns the warning for a combination that runs but trains worse."""
     comm = cfg.comm
     check(cfg, "comm.density", lambda v: v is not None and 0 < v <= 1, "a fraction in (0, 1]")
     check(cfg, "comm.warmup_steps", at_least(0), "an integer >= 0")

@@ -7,14 +7,22 @@ accumulation (the hook sees the step's accumulated gradient once). Top-k lives i
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain.comm.checks import check_powersgd
 from distrain.comm.quality import CompressedComm
 from distrain.comm.traffic import all_reduce_bytes
 from distrain.launch.process_group import DistEnv
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from distrain.config.options import Placement
 
 CAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +52,12 @@ class PowerSGDComm(CompressedComm):
     After a checkpoint resume the error feedback and warm-start memories start empty (they are keyed by DDP
     bucket, and buckets are rebuilt after the first step of every process), and that first step is dense.
     """
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, placement: Placement) -> list[str]:
+        notes = super().check_config(cfg, placement)
+        check_powersgd(cfg)
+        return notes
 
     def __init__(
         self,

@@ -11,16 +11,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain.comm.checks import check_averaging
 from distrain.comm.traffic import all_reduce_bytes
 from distrain.launch.process_group import DistEnv
 from distrain.monitor.timing import Clock
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from distrain.config.options import Placement
 
 
 class DDPComm:
@@ -54,6 +60,14 @@ class DDPComm:
         self.step = 0  # optimizer steps begun (``begin_step``), restored from checkpoints by stateful hooks
         self.registered = False
         self._new_step_counters()
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, placement: Placement) -> list[str]:
+        """This option's checks before any rank starts (``distrain.config.options``): the bucket size; a method
+        other than this plain averaging runs as a DDP communication hook, which the strategy must accept.
+        Subclasses add their own keys' checks to these."""
+        del placement
+        return check_averaging(cfg, as_hook=cls is not DDPComm)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``DistributedDataParallel``."""

@@ -12,14 +12,21 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain.comm.checks import check_hierarchical
 from distrain.comm.ddp_comm import DDPComm
 from distrain.comm.traffic import all_reduce_bytes, broadcast_bytes, reduce_bytes
 from distrain.launch.process_group import DistEnv
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from distrain.config.options import Placement
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +134,12 @@ class HierarchicalComm(DDPComm):
         ranks_per_node: ranks per node; None takes the launcher's (LOCAL_WORLD_SIZE) and checks it against the
             ranks' node names. Set it to make one machine act as several nodes (e.g. 4 ranks as 2 x 2).
     """
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, placement: Placement) -> list[str]:
+        notes = super().check_config(cfg, placement)
+        check_hierarchical(cfg, placement.world_size)
+        return notes
 
     def __init__(self, *, ranks_per_node: int | None, **ddp: object) -> None:
         super().__init__(**ddp)

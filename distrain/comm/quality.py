@@ -18,16 +18,22 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain.comm.checks import check_quality_guard
 from distrain.comm.ddp_comm import DDPComm
 from distrain.launch.process_group import DistEnv
 from distrain.monitor.timing import Clock
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from distrain.config.options import Placement
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,12 @@ class CompressedComm(DDPComm):
         self.quality_every, self.quality_threshold = quality_every, quality_threshold
         self._above = 0
         self._warned = False
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, placement: Placement) -> list[str]:
+        notes = super().check_config(cfg, placement)
+        check_quality_guard(cfg)
+        return notes
 
     def register(
         self,

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from distrain.comm.checks import check_topk
 from distrain.comm.quality import CompressedComm
 from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from distrain.config.options import Placement
 from distrain.launch.process_group import DistEnv
 
 FEEDBACKS = ("estimate", "residual")  # feedback on gradients; "update" is distrain.comm.topk_update's
@@ -60,6 +66,10 @@ class TopKComm(CompressedComm):
     """
 
     feedbacks = FEEDBACKS
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, placement: Placement) -> list[str]:
+        return [*super().check_config(cfg, placement), *check_topk(cfg)]
 
     def __init__(
         self,

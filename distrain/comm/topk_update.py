@@ -41,6 +41,9 @@ def topk_comm(*, feedback: str = "update", sync_every: int = 0, **options: Any) 
     return TopKComm(feedback=feedback, **options)
 
 
+topk_comm.check_config = TopKComm.check_config  # both classes take the same keys
+
+
 class TopKUpdateComm(TopKComm):
     """Top-k of each rank's update with error feedback (module docstring).
 

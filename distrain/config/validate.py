@@ -20,7 +20,6 @@ from torch import nn
 from distrain.artifacts.outputs import check_writable
 from distrain.artifacts.token_dataset import inspect_token_dataset, verify_in_background
 from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
-from distrain.comm.checks import validate_comm
 from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.config.global_batch import derive_accumulation, validate_data_fits
 from distrain.config.options import Placement, own_checks
@@ -40,7 +39,6 @@ from distrain.parallelism.checks import (
 from distrain.parallelism.compile import backend_problem
 from distrain.precision.policy import autocast_supported
 from distrain.trackers.base import TrackerSetupError
-from distrain.trackers.mlflow_tracker import absolute_tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +120,6 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     if not supported:
         raise ConfigError("precision", cfg.precision.name, f"not available on {device_type}: {reason}")
 
-    check(cfg, "comm.bucket_cap_mb", positive, "a size in MiB > 0")
     if target:
         world_size = target.world_size
     else:
@@ -138,8 +135,6 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     for note in adopt_renamed_keys(cfg):
         log.warning(note)
     derive_accumulation(cfg, world_size, local)  # before the pipeline checks, which divide the step's sequences
-    for note in validate_comm(cfg, world_size):
-        log.warning(note)
     validate_sharding(cfg)
     placement = Placement(world_size, local, device_type, planning=target is not None)
     for note in own_checks(cfg, placement):  # each option's check_config, distrain's or the user's own
@@ -277,7 +272,7 @@ def largest_token_id(corpus: DictConfig) -> int:
     return corpus.vocab_size - 1 if "vocab_size" in corpus else 255  # the stdlib corpus is bytes
 
 
-PATH_KEYS = ("data.path", "model.name_or_path", "model.init_from", "logger.tensorboard.dir", "logger.jsonl.path")
+PATH_KEYS = ("data.path", "model.name_or_path", "model.init_from")  # each tracker names its own (absolute_paths)
 
 
 def validate_trackers(cfg: DictConfig) -> None:
@@ -291,14 +286,17 @@ def validate_trackers(cfg: DictConfig) -> None:
 
 
 def absolute_paths(cfg: DictConfig) -> None:
-    """Make the relative paths of ``PATH_KEYS`` absolute (from this process's directory), in place: the run's saved
-    config (each checkpoint's config.yaml) then names the same files wherever ``export`` or ``generate`` runs."""
+    """Make the relative paths of ``PATH_KEYS`` and of each tracker's ``absolute_paths`` absolute (from this
+    process's directory), in place: the run's saved config (each checkpoint's config.yaml) then names the same files
+    wherever ``export`` or ``generate`` runs, and a requeued job finds the same tracker stores."""
     for key in PATH_KEYS:
         value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         if isinstance(value, str) and value and not Path(value).is_absolute():
             OmegaConf.update(cfg, key, str(Path(value).expanduser().resolve()), merge=False)
-    if uri := OmegaConf.select(cfg, "logger.mlflow.tracking_uri", default=None):
-        OmegaConf.update(cfg, "logger.mlflow.tracking_uri", absolute_tracking_uri(uri), merge=False)
+    for name, tracker_cfg in cfg.logger.items():
+        located = getattr(instantiate(tracker_cfg), "absolute_paths", None)  # constructors only keep settings
+        for key, value in (located() if callable(located) else {}).items():
+            OmegaConf.update(cfg, f"logger.{name}.{key}", value, merge=False)
 
 
 def _validate_dataset(cfg: DictConfig) -> Callable[[], None]:

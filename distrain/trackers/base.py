@@ -57,6 +57,11 @@ class Tracker(Protocol):
         """Raise ``TrackerSetupError`` for what would stop ``start`` (a missing package, an unusable URI); runs in
         the launching process before any rank starts, so it must not create runs or files."""
 
+    def absolute_paths(self) -> dict[str, str]:
+        """Optional. This tracker's settings that name local files or stores, as ``{key: value}`` made absolute
+        from this process's directory: the launch writes them into the run's config, so a requeued job started
+        elsewhere, or a tool reading the saved config, finds the same files."""
+
     def start(self, run: TrackedRun) -> None:
         """Open (or continue) this job's run; a tracker may drop what an earlier attempt logged after
         ``run.initial_step``."""
@@ -78,6 +83,11 @@ def numeric_metrics(record: dict[str, Any]) -> dict[str, float]:
         for key, value in record.items()
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
     }
+
+
+def absolute_path(path: str) -> str:
+    """``path`` (``~`` expanded) made absolute from this process's directory."""
+    return str(Path(path).expanduser().resolve())
 
 
 def require_package(module: str, tracker: str) -> None:
@@ -105,6 +115,9 @@ class JsonlTracker:
                 )
         except ArtifactError as err:
             raise TrackerSetupError("path", str(self.path), f"a writable file path ({err})") from None
+
+    def absolute_paths(self) -> dict[str, str]:
+        return {"path": absolute_path(str(self.path))} if str(self.path) not in ("", ".") else {}
 
     def start(self, run: TrackedRun) -> None:
         self.run_name = run.name

@@ -64,6 +64,9 @@ class MlflowTracker:
         self.run_id = ""
         self.resumed_from_run: str | None = None  # the run this job could not continue (it logged later steps)
 
+    def absolute_paths(self) -> dict[str, str]:
+        return {"tracking_uri": absolute_tracking_uri(self.tracking_uri)} if self.tracking_uri else {}
+
     def check(self) -> None:
         """The package, and a URI this tracker can reach: a local store's directory exists, a server answers."""
         require_package("mlflow", "mlflow")

@@ -11,7 +11,7 @@ import yaml
 
 from distrain.artifacts.outputs import check_writable
 from distrain.errors import ArtifactError
-from distrain.trackers.base import TrackedRun, TrackerSetupError, numeric_metrics, require_package
+from distrain.trackers.base import TrackedRun, TrackerSetupError, absolute_path, numeric_metrics, require_package
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ class TensorBoardTracker:
                 check_writable(self.dir, directory=True)
             except ArtifactError as err:
                 raise TrackerSetupError("dir", self.dir, f"a writable directory for event files ({err})") from None
+
+    def absolute_paths(self) -> dict[str, str]:
+        return {"dir": absolute_path(self.dir)} if self.dir else {}
 
     def start(self, run: TrackedRun) -> None:
         from torch.utils.tensorboard import SummaryWriter

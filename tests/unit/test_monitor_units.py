@@ -80,6 +80,21 @@ def test_a_relative_mlflow_store_is_made_absolute_for_the_saved_config(tmp_path,
         assert absolute_tracking_uri(kept) == kept
 
 
+def test_each_tracker_makes_its_own_relative_paths_absolute_in_the_saved_config(tmp_path, monkeypatch):
+    from helpers import FAST, compose_config
+
+    from distrain.config.validate import absolute_paths
+
+    overrides = [*FAST, "logger=[jsonl,tensorboard,mlflow]", "logger.jsonl.path=runs.jsonl"]
+    overrides += ["logger.tensorboard.dir=tb", "logger.mlflow.tracking_uri=sqlite:///m.db"]
+    cfg = compose_config(overrides)
+    monkeypatch.chdir(tmp_path)
+    absolute_paths(cfg)
+    assert cfg.logger.jsonl.path == str(tmp_path / "runs.jsonl")
+    assert cfg.logger.tensorboard.dir == str(tmp_path / "tb")
+    assert cfg.logger.mlflow.tracking_uri == f"sqlite:///{tmp_path / 'm.db'}"
+
+
 def test_a_console_line_survives_missing_and_non_finite_metrics():
     from distrain.trackers.console import step_line
 
