@@ -92,11 +92,13 @@ class HybridConfig:
     pipeline_microbatches: int = 4  # pipeline micro-batches per optimizer step (not data.micro_batch_size)
     virtual_stages: int = 2  # stages per pipeline rank with schedule=interleaved
     split_points: list[int] = field(default_factory=list)  # block indices where stages begin; empty: balanced
-    activation_checkpointing: list[int] = field(default_factory=list)  # stages that recompute activations
+    recompute_stages: list[int] = field(default_factory=list)  # pipeline stages that recompute activations
     cpu_offload: bool = False  # FSDP's shards in CPU memory (GPU runs only)
-    # Old names, still read (validation logs one line naming the new key): fsdp_stage, pipeline_microbatches.
+    # Old names, still read (validation logs one line naming the new key): fsdp_stage, pipeline_microbatches,
+    # recompute_stages.
     stage: int | None = None
     microbatches: int | None = None
+    activation_checkpointing: list[int] | None = None
 
 
 @dataclass(kw_only=True)

@@ -30,8 +30,12 @@ def is_mesh_layout(cfg: DictConfig) -> bool:
     return capabilities_of(cfg.parallelism).device_mesh
 
 
-RENAMED = {"stage": "fsdp_stage", "microbatches": "pipeline_microbatches"}  # a mesh layout's old keys: new keys
-NEW_KEY_DEFAULTS = {"pipeline_microbatches": 4}
+RENAMED = {
+    "stage": "fsdp_stage",
+    "microbatches": "pipeline_microbatches",
+    "activation_checkpointing": "recompute_stages",  # its root namesake is a mode; this one lists stages
+}  # a mesh layout's old keys: new keys
+NEW_KEY_DEFAULTS = {"pipeline_microbatches": 4, "recompute_stages": []}
 
 
 def adopt_renamed_keys(cfg: DictConfig) -> list[str]:
@@ -211,11 +215,9 @@ def validate_pipeline(cfg: DictConfig, world_size: int) -> None:
             points,
             f"{stages - 1} increasing block indices in 1..{blocks - 1} (empty: balanced)",
         )
-    recompute = list(pp.activation_checkpointing)
+    recompute = list(pp.recompute_stages)
     if any(not 0 <= stage < stages for stage in recompute):
-        raise ConfigError(
-            "parallelism.activation_checkpointing", recompute, f"stage indices in 0..{stages - 1} (empty: none)"
-        )
+        raise ConfigError("parallelism.recompute_stages", recompute, f"stage indices in 0..{stages - 1} (empty: none)")
     if cfg.precision.compute_dtype == "float16":
         raise ConfigError(
             "precision", cfg.precision.name, f"fp32 or bf16 with parallelism={cfg.parallelism.name} (no loss scaler)"
@@ -306,10 +308,8 @@ def validate_hybrid(cfg: DictConfig, world_size: int, ranks_per_node: int | None
     if degrees.tp > 1:
         validate_tensor(cfg, degrees.tp)
     pipelined = hybrid.pp != 1  # pp=-1 (the pipeline preset) is a pipeline even of one stage
-    if not pipelined and hybrid.activation_checkpointing:
-        raise ConfigError(
-            "parallelism.activation_checkpointing", list(hybrid.activation_checkpointing), "[] with pp=1 (per stage)"
-        )
+    if not pipelined and hybrid.recompute_stages:
+        raise ConfigError("parallelism.recompute_stages", list(hybrid.recompute_stages), "[] with pp=1 (per stage)")
     if pipelined:
         validate_pipeline(cfg, degrees.pp)
         for option in ("sequence_parallel", "loss_parallel"):

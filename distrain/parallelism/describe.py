@@ -33,12 +33,12 @@ def layout_description(parallelism: DictConfig, layout: Layout) -> str:
     stage 3)``, ``hybrid (dp 2 x tp 2, dp replicated)``: the option's name, with the degrees of a mesh layout."""
     capabilities = capabilities_of(parallelism)
     if capabilities.zero_stages:
-        return f"{parallelism.name} stage {layout.stage}"
+        return f"{parallelism.name} stage {layout.sharding_stage}"
     if not capabilities.device_mesh:  # ddp, single: every rank holds the model
         return parallelism.name
     holding = ""
     if layout.dp_holds == "replicate":
         holding = ", dp replicated"
     elif layout.data_parallel * layout.cp > 1:  # FSDP shards over dp x cp (as the strategy wraps it)
-        holding = f", fsdp stage {layout.stage}"
+        holding = f", fsdp stage {layout.sharding_stage}"
     return f"{parallelism.name} ({describe_degrees(layout)}{holding})"

@@ -203,7 +203,7 @@ class ConfiguredMesh:
             cp=self.cp,
             ep=self.ep,
             dp_holds="shard" if self.dp_mode == "fsdp" else "replicate",
-            stage=self.fsdp_stage if self.dp_mode == "fsdp" else None,
+            sharding_stage=self.fsdp_stage if self.dp_mode == "fsdp" else None,
         )
 
     def build(self, world_size: int, device_type: str, ranks_per_node: int | None = None) -> tuple[DeviceMesh, Layout]:
@@ -227,8 +227,9 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
     pipeline_microbatches: int,
     virtual_stages: int,
     split_points: list[int],
-    activation_checkpointing: list[int],
+    recompute_stages: list[int],
     microbatches: int | None = None,
+    activation_checkpointing: list[int] | None = None,
     **mesh: Unpack[MeshSettings],
 ) -> PipelineStrategy | LocalBackwardStrategy:
     """A pipeline of composed stages when ``pp != 1`` (-1: the ranks the other degrees leave, even one), else one
@@ -237,9 +238,10 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
 
     Args:
         sequence_parallel, loss_parallel: tensor parallelism's options (``pp == 1`` only).
-        schedule, pipeline_microbatches, virtual_stages, split_points, activation_checkpointing: the pipeline's,
+        schedule, pipeline_microbatches, virtual_stages, split_points, recompute_stages: the pipeline's,
             as in ``parallelism=pipeline``.
-        microbatches: the old name of ``pipeline_microbatches``; it wins when set.
+        microbatches, activation_checkpointing: the old names of ``pipeline_microbatches`` and
+            ``recompute_stages``; they win when set.
 
     ``parallelism=fsdp``, ``hsdp``, ``tensor`` and ``pipeline`` are presets of this strategy (config files that set
     the degrees: fsdp ``dp=-1``; hsdp ``dp_replicate=-1 dp=-1``; tensor ``dp=1 tp=-1``; pipeline ``dp=1 pp=-1``).
@@ -253,7 +255,7 @@ def HybridStrategy(  # noqa: N802 - the config's target, named like the other st
             microbatches=pipeline_microbatches if microbatches is None else microbatches,
             virtual_stages=virtual_stages,
             split_points=split_points,
-            activation_checkpointing=activation_checkpointing,
+            recompute_stages=recompute_stages if activation_checkpointing is None else activation_checkpointing,
         )
     return _ComposedModel(configured, name=name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 

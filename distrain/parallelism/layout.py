@@ -21,7 +21,7 @@ class Layout:
     """The parallel degrees of one run, the same object for every strategy: ``replicate`` copies of a group of
     ``dp`` data-parallel ranks (HSDP when both exceed 1), ``tp``, ``pp`` and ``cp``, whose product is the world size;
     ``ep`` splits the dp axis. How the dp ranks hold the model: ``dp_holds`` "shard" (FSDP2, ZeRO) or "replicate"
-    (DDP, FSDP2's replicate mode), and the sharding ``stage`` (ZeRO 1-3, FSDP 2-3; None when replicated). In config
+    (DDP, FSDP2's replicate mode), and the ``sharding_stage`` (ZeRO 1-3, FSDP 2-3; None when replicated). In config
     one of ``dp``, ``tp``, ``pp`` may be -1, "the rest of the world size"; ``dp_replicate=-1`` means "one per node".
     """
 
@@ -32,7 +32,7 @@ class Layout:
     cp: int = 1
     ep: int = 1  # expert-parallel ranks: a split of the dp axis (ep divides dp)
     dp_holds: str = "replicate"
-    stage: int | None = None
+    sharding_stage: int | None = None
 
     @classmethod
     def resolve(
@@ -47,7 +47,7 @@ class Layout:
         cp: int = 1,
         ep: int = 1,
         dp_holds: str = "shard",
-        stage: int | None = None,
+        sharding_stage: int | None = None,
     ) -> Layout:
         """The degrees for ``world_size`` ranks: one of ``dp``, ``tp``, ``pp`` may be -1, the rest of the world size
         (the ``fsdp`` preset leaves dp, ``tensor`` tp, ``pipeline`` pp); ``ranks_per_node`` resolves
@@ -72,7 +72,9 @@ class Layout:
             )
         if dp % ep:
             raise ValueError(f"ep = {ep} does not divide the data-parallel degree dp = {dp} (experts split over dp)")
-        return cls(pp=pp, dp=dp, tp=tp, replicate=replicate, cp=cp, ep=ep, dp_holds=dp_holds, stage=stage)
+        return cls(
+            pp=pp, dp=dp, tp=tp, replicate=replicate, cp=cp, ep=ep, dp_holds=dp_holds, sharding_stage=sharding_stage
+        )
 
     @property
     def data_parallel(self) -> int:

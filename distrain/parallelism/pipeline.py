@@ -111,7 +111,7 @@ class PipelineStrategy(LocalBackwardStrategy):
             (``data.micro_batch_size x trainer.grad_accum_steps``) must divide evenly among them.
         virtual_stages: stages per rank with ``interleaved`` (1 otherwise).
         split_points: block indices where stages begin (``num_stages - 1`` of them); empty: balanced by parameters.
-        activation_checkpointing: stage indices whose blocks keep only their inputs and recompute the rest in
+        recompute_stages: stage indices whose blocks keep only their inputs and recompute the rest in
             backward (e.g. ``[0]``: under 1F1B the first stage holds the most micro-batches in flight).
 
     Each step reports the stage's measured idle fraction (the bubble) beside the schedule's theoretical one:
@@ -134,10 +134,10 @@ class PipelineStrategy(LocalBackwardStrategy):
         microbatches: int,
         virtual_stages: int,
         split_points: Sequence[int],
-        activation_checkpointing: Sequence[int] = (),
+        recompute_stages: Sequence[int] = (),
     ) -> None:
         self.name, self.schedule_name, self.microbatches = name, schedule, microbatches
-        self.recompute_stages = set(activation_checkpointing)
+        self.recompute_stages = set(recompute_stages)
         self.virtual_stages = virtual_stages if schedule == "interleaved" else 1
         self.split_points = list(split_points)
 

@@ -96,7 +96,7 @@ class ZeroStrategy:
     @staticmethod
     def resolve_layout(parallelism: Any, world_size: int, ranks_per_node: int | None = None, **_: Any) -> Layout:
         """Every rank data parallel, the model state sharded by ZeRO's stage."""
-        return Layout(dp=world_size, dp_holds="shard", stage=int(parallelism.stage))
+        return Layout(dp=world_size, dp_holds="shard", sharding_stage=int(parallelism.stage))
 
     updating = False
     compile_unsupported = (

@@ -172,10 +172,10 @@ def memory_formula_of(cfg: DictConfig, layout: Layout) -> tuple[str, int, int | 
         return None
     formula = capabilities_of(cfg.parallelism).memory_formula
     if formula:
-        return (formula, layout.world_size, layout.stage)
+        return (formula, layout.world_size, layout.sharding_stage)
     if layout.dp_holds != "shard":
         return ("ddp", layout.world_size, None)
-    return ("fsdp", layout.dp, layout.stage)
+    return ("fsdp", layout.dp, layout.sharding_stage)
 
 
 def predicted_model_state_bytes(**layout: object) -> int:

@@ -97,7 +97,7 @@ def _plan_input(strategy: object, layout: Layout) -> _PlanInput:
     return _PlanInput(
         layout,
         layout.dp_holds,
-        layout.stage or 3,
+        layout.sharding_stage or 3,
         sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)),
         loss_parallel=bool(getattr(strategy, "loss_parallel", False)),
         pipeline=strategy if isinstance(strategy, PipelineStrategy) else None,

@@ -103,11 +103,12 @@ def test_replicated_data_parallel_axis_holds_whole_copies(hybrid):
         assert replicated["optimizer"] == pytest.approx(2 * sharded["optimizer"], rel=0.01)
 
 
-def test_activation_checkpointing_per_stage_keeps_the_losses():
+def test_recompute_stages_keep_the_losses():
     """Recomputing the first stage's (or every stage's) activations in backward changes memory, not the numbers."""
     cfgs = [
         to_plain(compose_config([*COMMON, *SCHEDULES["1f1b"], *extra]))
-        for extra in ([], ["parallelism.activation_checkpointing=[0]"], ["parallelism.activation_checkpointing=[0,1]"])
+        # the new key, then its old name (still read)
+        for extra in ([], ["parallelism.recompute_stages=[0]"], ["parallelism.activation_checkpointing=[0,1]"])
     ]
     plain, first, every = on_ranks(train_steps, 2, cfgs, 6)[0]
     assert first["losses"] == plain["losses"] and every["losses"] == plain["losses"]

@@ -119,7 +119,11 @@ KEYS = {
     ),
     "parallelism.split_points": (check("parallelism=pipeline", "parallelism.split_points=[5]"), "increasing"),
     "parallelism.activation_checkpointing": (
-        check("parallelism=pipeline", "parallelism.activation_checkpointing=[7]"),
+        check("parallelism=pipeline", "parallelism.recompute_stages=[0]", "parallelism.activation_checkpointing=[1]"),
+        "recompute_stages is its new name",
+    ),
+    "parallelism.recompute_stages": (
+        check("parallelism=pipeline", "parallelism.recompute_stages=[7]"),
         "stage indices in 0..1",
     ),
     "parallelism.sequence_parallel": (
