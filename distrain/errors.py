@@ -7,6 +7,7 @@ train.py then prints ``distrain: <message>`` alone, because the message already 
 from __future__ import annotations
 
 _RUN_ERROR_NAMES: set[str] = set()
+RUN_ERROR_FILE = "run_error_rank{rank}.txt"  # in the run directory: a RunError a rank raised, for the launcher
 
 
 class RunError(RuntimeError):

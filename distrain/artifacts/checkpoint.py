@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from distrain.checkpoint.checkpointer import checkpoint_problem, newest_valid, step_directories
+from distrain.checkpoint.steps import checkpoint_problem, newest_valid, step_directories
 from distrain.errors import ArtifactError
 
 

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
-import hashlib
 import json
 import logging
 import random
-import re
 import shutil
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,52 +29,19 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 
-from distrain.checkpoint.data_only import load_tensors_and_values, unsafe_content
+from distrain.checkpoint.data_only import load_tensors_and_values
+from distrain.checkpoint.steps import (
+    checkpoint_problem,
+    newest_valid,
+    sha256_of_file,
+    step_directories,
+)
 from distrain.errors import CheckpointSpaceError
 from distrain.trainer.faults import maybe_inject_fault
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 NEARLY_FULL_BYTES = 1 << 20  # free space below which a failed write is taken to have filled the file system
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` is not a usable checkpoint (missing manifest, missing, truncated or altered file), or None."""
-    if not path.is_dir():
-        return "no such directory"
-    manifest_path = path / "manifest.json"
-    if not manifest_path.is_file():
-        return "no manifest.json (incomplete)"
-    try:
-        files = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError) as err:
-        return f"unreadable manifest ({err})"
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != expected["bytes"]:
-            return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
-        if _hashed(str(file), file.stat().st_mtime_ns, file.stat().st_size) != expected["sha256"]:
-            return f"{name} does not match its checksum"
-    return unsafe_content(path)
-
-
-@functools.lru_cache(maxsize=4096)
-def _hashed(path: str, mtime_ns: int, size: int) -> str:
-    """A file's SHA-256, once per version of it (``mtime_ns``, ``size``): a tool checks a checkpoint, then reads
-    it through a function that checks it again, and large checkpoints take seconds to hash."""
-    del mtime_ns, size  # part of the cache key only
-    return _sha256(Path(path))
 
 
 def checkpoint_bytes(path: Path) -> int:
@@ -100,14 +64,6 @@ def out_of_space(err: BaseException) -> bool:
         for failure in getattr(current, "failures", {}).values():  # DCP keeps (exception, traceback) per rank
             seen += [e for e in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(e, BaseException)]
     return "No space left on device" in str(err)
-
-
-def checkpoint_world_size(path: Path) -> int | None:
-    """The number of ranks that wrote the checkpoint at ``path`` (None if its manifest does not say)."""
-    try:
-        return json.loads((path / "manifest.json").read_text()).get("world_size")
-    except (OSError, ValueError):
-        return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -149,37 +105,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def step_directories(directory: Path) -> list[Path]:
-    """Every ``step_*`` directory in ``directory`` (not the ``.tmp`` of a save in progress), oldest first."""
-    if not directory.is_dir():
-        return []
-    return sorted((p for p in directory.iterdir() if _STEP_DIR.match(p.name)), key=lambda p: p.name)
-
-
-def newest_valid(directory: Path, *, report: bool = True) -> Path | None:
-    """The newest checkpoint in ``directory`` whose files match its manifest; corrupt ones (a file altered,
-    truncated or missing, the manifest missing, a pickle that is not data) are skipped, loudly if ``report``."""
-    for path in reversed(step_directories(directory)):
-        problem = checkpoint_problem(path)
-        if not problem:
-            if report:
-                log.info("resuming from %s", path)
-            return path
-        if report:
-            log.warning("skipping checkpoint %s: %s", path, problem)
-    return None
-
-
-def checkpoint_step(path: Path) -> int:
-    """The optimizer step a complete checkpoint holds (from its manifest)."""
-    return int(json.loads((path / "manifest.json").read_text())["step"])
-
-
-def uses_checkpoint_dir(checkpoint: Any) -> bool:
-    """Whether a job with these ``checkpoint.*`` settings reads or writes its checkpoint directory."""
-    return checkpoint.every_n_steps > 0 or checkpoint.save_final or checkpoint.emergency or checkpoint.resume == "auto"
 
 
 @dataclass
@@ -345,7 +270,7 @@ class Checkpointer:
                 if self.config is not None:
                     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(self.config))
                 files = {
-                    str(p.relative_to(tmp_path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                    str(p.relative_to(tmp_path)): {"bytes": p.stat().st_size, "sha256": sha256_of_file(p)}
                     for p in sorted(tmp_path.rglob("*"))
                     if p.is_file()
                 }

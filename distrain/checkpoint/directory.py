@@ -16,7 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
-from distrain.checkpoint.checkpointer import step_directories
+from distrain.checkpoint.steps import step_directories
 
 log = logging.getLogger("distrain.train")
 SAVE_NAMES = {"manifest.json", "config.yaml", ".metadata", "deepspeed"}  # deepspeed: parallelism=zero's tag

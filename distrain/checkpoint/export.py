@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from distrain.artifacts.checkpoint import inspect_checkpoint
 from distrain.artifacts.outputs import check_writable
-from distrain.checkpoint.checkpointer import checkpoint_problem
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
+from distrain.checkpoint.steps import checkpoint_problem
 from distrain.errors import ArtifactError
 from distrain.models.spec import spec_of
 from distrain.parallelism.checks import root_cause

@@ -15,15 +15,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from distrain.checkpoint.checkpointer import (
+from distrain.checkpoint.directory import foreign_entries, remove_partial_saves
+from distrain.checkpoint.lock import CheckpointDirLock
+from distrain.checkpoint.steps import (
     checkpoint_step,
     checkpoint_world_size,
     newest_valid,
     step_directories,
     uses_checkpoint_dir,
 )
-from distrain.checkpoint.directory import foreign_entries, remove_partial_saves
-from distrain.checkpoint.lock import CheckpointDirLock
 from distrain.config.checks import ConfigError, as_typed
 from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.layout import layout_of

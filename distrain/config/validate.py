@@ -19,7 +19,7 @@ from torch import nn
 
 from distrain.artifacts.outputs import check_writable
 from distrain.artifacts.token_dataset import inspect_token_dataset, verify_in_background
-from distrain.checkpoint.checkpointer import checkpoint_problem, checkpoint_world_size
+from distrain.checkpoint.steps import checkpoint_problem, checkpoint_world_size
 from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.config.global_batch import derive_accumulation, validate_data_fits
 from distrain.config.options import Placement, own_checks

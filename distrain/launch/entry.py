@@ -21,12 +21,12 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from distrain.artifacts.outputs import check_writable
 from distrain.artifacts.run_directory import inspect_run_directory
-from distrain.checkpoint.checkpointer import checkpoint_step
 from distrain.checkpoint.preflight import prepare_checkpoint_dir
+from distrain.checkpoint.steps import checkpoint_step
 from distrain.config.overrides import composition_error, plain_overrides, quote_group_options
 from distrain.config.schema import register_configs
 from distrain.config.validate import ConfigError, LaunchPlan, absolute_paths, validate
-from distrain.errors import ArtifactError, RunError, run_error_line
+from distrain.errors import RUN_ERROR_FILE, ArtifactError, RunError, run_error_line
 from distrain.launch.ranks import (
     ChildFailedError,
     adopt_slurm_tasks,
@@ -39,7 +39,6 @@ from distrain.launch.ranks import (
     slurm_restart_count,
 )
 from distrain.trainer.preemption import REQUEUE_EXIT_CODE
-from distrain.trainer.rank import RUN_ERROR_FILE, build_and_train
 
 register_configs()
 # conf/hydra/launcher/submitit_slurm.yaml gives the plugin's launcher our defaults and is checked against its schema
@@ -161,6 +160,9 @@ def plan_only(cfg: DictConfig, output_dir: str) -> None:
 
 def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], resume: str) -> float | None:
     """Start the ranks and report how they ended; returns the final validation loss."""
+    # Imported only now: a refused config never pays for what the ranks run (the fork server imports it itself).
+    from distrain.trainer.rank import build_and_train
+
     for stale in Path(rank_args[1]).glob(RUN_ERROR_FILE.format(rank="*")):
         stale.unlink()
     try:

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain.checkpoint.checkpointer import checkpoint_world_size
 from distrain.checkpoint.data_only import load_dcp_metadata
+from distrain.checkpoint.steps import checkpoint_world_size
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
 from distrain.parallelism.capabilities import Capabilities
 from distrain.parallelism.layout import Layout

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distrain.checkpoint.checkpointer import checkpoint_world_size
 from distrain.checkpoint.data_only import load_tensors_and_values
+from distrain.checkpoint.steps import checkpoint_world_size
 from distrain.data.sampler import Batch
 from distrain.models.spec import spec_of
 from distrain.optim.deepspeed_muon import deepspeed_muon

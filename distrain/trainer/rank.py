@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from distrain.checkpoint.checkpointer import Checkpointer
-from distrain.errors import RunError
+from distrain.errors import RUN_ERROR_FILE, RunError
 from distrain.launch.process_group import (
     DistEnv,
     configure_logging,
@@ -39,7 +39,6 @@ from distrain.trainer.loop import TrainState, loop_state, restore_loop_state, tr
 from distrain.trainer.preemption import StopRequest
 
 PEER_FAILURE_GRACE_S = 5.0
-RUN_ERROR_FILE = "run_error_rank{rank}.txt"  # in the run directory: a RunError the rank raised, for the report
 log = logging.getLogger("distrain.train")
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import FAST, REPO, run_train
 
-from distrain.checkpoint.checkpointer import checkpoint_problem, step_directories
+from distrain.checkpoint.steps import checkpoint_problem, step_directories
 
 ONE_RANK = [*FAST, "distributed.nproc_per_node=1", "trainer.max_steps=4", "hydra.run.dir=run"]
 # Every strategy and communication option that can run on one rank; all compute the same fp32 math there.
