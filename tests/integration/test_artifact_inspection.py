@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, run_in_own_group, save_tiny_hf_llama
+from warm import WarmPython
 
 LIMIT_S = 30  # a refusal must come within this
 KILL_S = 60  # a row still running then is killed and reported as a hang
@@ -128,9 +129,29 @@ def prepare(corpus: Path, out: Path | str, *flags: str) -> Invocation:
     return python(*args, "--val-fraction", "0.1", *flags, output=Path(out) / "train.json")
 
 
+# Entry points the rows run, imported once by a warm interpreter whose forked children run them (tests/warm.py).
+PREIMPORTED = ["torch", "transformers", "hydra", "distrain.launch.entry", "distrain.trainer.rank"]
+PREIMPORTED += ["distrain.tools.check_model", "distrain.tools.generate", "distrain.checkpoint.export"]
+PREIMPORTED += ["distrain.data.prepare"]
+READ_WHEN_USED = {"MLFLOW_ALLOW_FILE_STORE"}  # variables the rows set that no module reads as it is imported
+_warm: list[WarmPython] = []  # the module's server, while its tests run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_python():
+    server = WarmPython(PREIMPORTED, {**os.environ, **ENV})
+    _warm.append(server)
+    yield server
+    _warm.clear()
+    server.close()
+
+
 def execute(invocation: Invocation) -> Outcome:
     started = time.monotonic()
     env = {**os.environ, **ENV, **invocation.env}
+    if _warm and set(invocation.env) <= READ_WHEN_USED:
+        code, stdout, stderr = _warm[0].run(invocation.args, cwd=REPO, env=env, timeout=KILL_S)
+        return Outcome(code, time.monotonic() - started, stdout, stderr, invocation)
     try:
         done = run_in_own_group([sys.executable, *invocation.args], timeout=KILL_S, cwd=REPO, env=env)
         code, stdout, stderr = done.returncode, done.stdout, done.stderr
