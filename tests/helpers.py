@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import psutil
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from warm import WarmPython
 
 from distrain.config.overrides import quote_group_options
 from distrain.config.schema import register_configs
@@ -157,13 +159,32 @@ def run_train(
     """``python train.py <args>`` in a subprocess, from ``cwd``; ``env`` adds variables (None removes one).
 
     On ``timeout`` the whole process group is killed (launcher, fork server and ranks), so a hung run leaves no
-    ranks behind to slow the tests after it, and ``subprocess.TimeoutExpired`` is raised."""
+    ranks behind to slow the tests after it, and ``subprocess.TimeoutExpired`` is raised. Without ``env`` the run
+    is a child of the session's warm interpreter (``tests/warm.py``: the same process, its imports already done);
+    with it, a cold ``python`` (variables may be read as modules are imported)."""
+    command = [sys.executable, str(REPO / "train.py"), *args]
+    if not env:
+        code, stdout, stderr = warm_python().run(command[1:], cwd=cwd, env=dict(os.environ), timeout=timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(command, code, stdout, stderr)
     return run_in_own_group(
-        [sys.executable, str(REPO / "train.py"), *args],
+        command,
         cwd=cwd,
-        env={key: value for key, value in {**os.environ, **(env or {})}.items() if value is not None},
+        env={key: value for key, value in {**os.environ, **env}.items() if value is not None},
         timeout=timeout,
     )
+
+
+_warm: list[WarmPython] = []
+
+
+def warm_python() -> WarmPython:
+    """The session's warm interpreter (started on first use, with this process's environment then)."""
+    if not _warm:
+        _warm.append(WarmPython(["torch", "hydra", "distrain.launch.entry", "distrain.trainer.rank"], dict(os.environ)))
+        atexit.register(_warm[0].close)
+    return _warm[0]
 
 
 def run_in_own_group(command: list[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess:

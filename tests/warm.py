@@ -25,7 +25,26 @@ import io, json, os, runpy, signal, sys, traceback
 
 for name in sys.argv[1:]:
     __import__(name)
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped as they exit
+status_files = {}  # child pid -> where its exit status goes
+
+
+def reap(signum, frame):
+    # The exit status as subprocess reports it (-N for a signal), written when the child is gone.
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = status_files.pop(pid, None)
+        if path:
+            with open(path + ".partial", "w") as file:
+                file.write(str(os.waitstatus_to_exitcode(status)))
+            os.replace(path + ".partial", path)
+
+
+signal.signal(signal.SIGCHLD, reap)
 
 
 def run(request):
@@ -33,7 +52,7 @@ def run(request):
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's handler is not the child's
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -63,17 +82,19 @@ def run(request):
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        with open(request["status"], "w") as status:
-            status.write(str(code))
         os._exit(code)
 
 
 for line in sys.stdin:
     request = json.loads(line)
     sys.stdout.flush()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the child cannot be reaped before it is known
     pid = os.fork()
     if pid == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         run(request)
+    status_files[pid] = request["status"]
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     sys.stdout.write(f"{pid}\n")
     sys.stdout.flush()
 """
@@ -108,17 +129,13 @@ class WarmPython:
         status = Path(files["status"])
         deadline = time.monotonic() + timeout
         code: int | None = None
-        while True:
-            if status.is_file() and status.read_text():
-                code = int(status.read_text())
-                break
-            if not _alive(pid):  # died without writing its status: a signal, or a crash of the interpreter
-                code = -1 if not status.is_file() else int(status.read_text() or -1)
-                break
+        while not status.is_file():  # written by the server once the child has exited
             if time.monotonic() > deadline:
                 _kill_group(pid)
                 break
             time.sleep(0.02)
+        else:
+            code = int(status.read_text())
         _wait_for_group(pid)
         stdout, stderr = (Path(files[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
         return code, stdout, stderr
@@ -126,14 +143,6 @@ class WarmPython:
     def close(self) -> None:
         self.server.stdin.close()
         self.server.wait(timeout=30)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _kill_group(pid: int) -> None:
