@@ -108,6 +108,29 @@ def timed(function, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+VALIDATE = """
+import sys, time
+from hydra import compose, initialize_config_dir
+from distrain.config.schema import register_configs
+from distrain.config.validate import validate
+register_configs()
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    cfg = compose("config", overrides=sys.argv[2:])
+start = time.perf_counter()
+validate(cfg)
+print(time.perf_counter() - start)
+"""
+
+
+def validation_seconds(overrides: list[str], *, first: bool) -> float:
+    """Wall seconds of the launch's ``validate`` (what runs before any rank starts, its first model build
+    included) in a fresh interpreter; ``first``: with an empty cache of verified shards (a first start-up)."""
+    with fresh_cache() if first else contextlib.nullcontext():
+        args = [sys.executable, "-c", VALIDATE, str(REPO / "conf"), *TRAIN, *overrides]
+        done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
 def start_up(overrides: list[str], run_dir: Path) -> float:
     """Wall seconds of ``train.py`` with ``overrides`` (one step), from launch to exit."""
     start = time.perf_counter()
@@ -154,6 +177,11 @@ def main() -> None:
             first.append(start_up(data_overrides, work / f"run_data_sums_{attempt}"))
     rows["startup_dataset_s"] = statistics.median(without)
     rows["startup_dataset_checksums_s"] = statistics.median(first)
+    plain, checked = [], []
+    for _ in range(7):  # alternated; the difference is what a first start-up's checksums add before ranks start
+        plain.append(validation_seconds([*data_overrides, "data.verify_checksums=false"], first=False))
+        checked.append(validation_seconds(data_overrides, first=True))
+    rows["validate_s"], rows["validate_checksums_s"] = statistics.median(plain), statistics.median(checked)
     rows["startup_dataset_cached_s"] = start_up(data_overrides, work / "run_data_cached")  # verified above
     with fresh_cache():  # what prepare does as it finishes: its shards, hashed while written, recorded as verified
         for split in ("train", "val"):
@@ -170,7 +198,7 @@ def report(rows: dict[str, float], gigabytes: float, parameters: int, out_dir: P
     def share(part: float, whole: float) -> str:
         return f"{part:.3f} s ({100 * part / whole:.1f}% of {whole:.1f} s)"
 
-    added = rows["startup_dataset_checksums_s"] - rows["startup_dataset_s"]
+    added = max(0.0, rows["validate_checksums_s"] - rows["validate_s"])
     title = "Start-up cost of the inspections (one run, side by side; medians of 5 calls, checksums of 2; warm cache)"
     rows_out = [
         "| inspection | seconds | share of the job's start-up (train.py, 1 step, to exit) |",
@@ -180,8 +208,9 @@ def report(rows: dict[str, float], gigabytes: float, parameters: int, out_dir: P
         f"| token dataset, {gigabytes:.2f} GB, CRC-32 of every shard, first start-up, copied from elsewhere | "
         f"{rows['dataset_checksums_s']:.3f} | {share(rows['dataset_checksums_s'], rows['startup_dataset_checksums_s'])}"
         " on its own |",
-        "| the same, what it adds to the start-up (checked on a thread while the config is validated; medians of 3 "
-        "start-ups with and 3 without, alternated) | "
+        "| the same, what it adds before any rank starts (checked on a thread while the rest of the config is "
+        f"validated: validate() {rows['validate_s']:.3f} s without, {rows['validate_checksums_s']:.3f} s with; "
+        "medians of 7, alternated) | "
         f"{added:.3f} | {share(added, rows['startup_dataset_checksums_s'])} |",
         f"| token dataset, {gigabytes:.2f} GB, checksums, first start-up after prepare wrote it on this machine | "
         f"{rows['dataset_after_prepare_s']:.3f} | "

@@ -79,4 +79,4 @@ def verify_in_background(dataset: TokenDataset) -> Future[None]:
 
 def _verify_all(dataset: TokenDataset) -> None:
     for index in dataset.splits.values():
-        verify_checksums(dataset.directory, index)
+        verify_checksums(dataset.directory, index, spare_cores=1)  # one core goes on validating the config

@@ -235,15 +235,16 @@ def _largest_id(path: Path, chunk: int = 1 << 24) -> int:
     return largest
 
 
-def verify_checksums(directory: Path, index: SplitIndex) -> None:
+def verify_checksums(directory: Path, index: SplitIndex, *, spare_cores: int = 0) -> None:
     """Each shard's checksum (its CRC-32, or its SHA-256 when the index has none) equals its index's, computed on
     threads (zlib and hashlib release the GIL: one shard per core); a shard this user's cache records as verified,
     unchanged since (same size, modification and change times, inode and device), is not read again. DataError
-    naming the first shard that differs."""
+    naming the first shard that differs. ``spare_cores``: cores left to other work of this process."""
     cache = _read_verified()
     shards = [(directory / shard.file, shard.checksum) for shard in index.shards if shard.checksum]
     pending = [(path, checksum) for path, checksum in shards if not _verified(cache, path, _key(*checksum))]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(pending), os.cpu_count() or 1))) as pool:
+    cores = (os.cpu_count() or 1) - spare_cores
+    with ThreadPoolExecutor(max_workers=max(1, min(len(pending), cores))) as pool:
         results = list(pool.map(lambda item: _hash_between_stamps(item[0], item[1][0]), pending))
     for (path, (algorithm, expected)), (digest, _) in zip(pending, results, strict=True):
         if digest != expected:
