@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 SERVER = r"""
-import io, json, os, runpy, signal, sys, traceback
+import json, os, runpy, signal, sys, traceback
 
 for name in sys.argv[1:]:
     __import__(name)
@@ -48,36 +49,43 @@ signal.signal(signal.SIGCHLD, reap)
 
 
 def run(request):
-    os.setsid()
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's handler is not the child's
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    args = request["args"]
-    code = 0
+    code = 1
     try:
+        os.setsid()
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's handler is not the child's
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        args = request["args"]
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
+            sys.modules.pop(args[1], None)  # run as __main__ afresh, as `python -m` does (its imports stay)
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(args)
             sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
             runpy.run_path(args[0], run_name="__main__")
+        code = 0
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):
             code = stop.code or 0
         else:
             print(stop.code, file=sys.stderr)
-            code = 1
     except BaseException:
         traceback.print_exc()
-        code = 1
-    try:
-        import atexit
+    finish(code)
 
+
+def finish(code):
+    # What interpreter exit does, in its order: wait for the threads left running, run the exit handlers, flush
+    # the streams. Not the collection of every object (a second with torch imported): os._exit skips it.
+    import atexit, threading
+
+    try:
+        threading._shutdown()
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
@@ -129,20 +137,25 @@ class WarmPython:
         status = Path(files["status"])
         deadline = time.monotonic() + timeout
         code: int | None = None
-        while not status.is_file():  # written by the server once the child has exited
-            if time.monotonic() > deadline:
-                _kill_group(pid)
-                break
-            time.sleep(0.02)
-        else:
-            code = int(status.read_text())
-        _wait_for_group(pid)
+        try:
+            while not status.is_file():  # written by the server once the child has exited
+                if time.monotonic() > deadline:
+                    _kill_group(pid)
+                    break
+                time.sleep(0.02)
+            else:
+                code = int(status.read_text())
+            _wait_for_group(pid)
+        except BaseException:  # pytest-timeout, Ctrl-C: the child has a session of its own and would live on
+            _kill_group(pid)
+            raise
         stdout, stderr = (Path(files[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
         return code, stdout, stderr
 
     def close(self) -> None:
         self.server.stdin.close()
         self.server.wait(timeout=30)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _kill_group(pid: int) -> None:

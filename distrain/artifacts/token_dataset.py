@@ -10,6 +10,7 @@ index can understate them, and scanning every shard here would cost minutes on a
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 from distrain.artifacts.tokenizer import inspect_tokenizer
 from distrain.data.token_format import (
     SPLITS,
+    ChecksumsCancelled,
     DataError,
     SplitIndex,
     has_index,
@@ -65,18 +67,37 @@ def inspect_token_dataset(path: str | Path, *, checksums: bool = True) -> TokenD
     return TokenDataset(directory, splits, tokenizer)
 
 
-def verify_in_background(dataset: TokenDataset) -> Future[None]:
-    """Start checking every shard's checksum of ``dataset`` (inspected without them) on a thread of this process and
-    return at once; the future's ``result()`` raises the first shard's ``DataError``. A first start-up on a dataset
-    copied from elsewhere reads all of its shards: the launch validates the rest of the config meanwhile, and waits
-    for the result before any rank starts."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distrain-checksums")
+class PendingChecksums:
+    """Every shard's checksum of a dataset, being checked on a thread of this process (``verify_in_background``)."""
+
+    def __init__(self, dataset: TokenDataset | None) -> None:
+        self.stop = threading.Event()
+        self.future: Future[None] | None = None
+        if dataset is not None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distrain-checksums")
+            self.future = pool.submit(_verify_all, dataset, self.stop)
+            pool.shutdown(wait=False)  # its one thread ends with the checksums (or at cancel)
+
+    def wait(self) -> None:
+        """Until every shard is checked; the first changed (or unreadable) shard's ``DataError``."""
+        if self.future is not None:
+            self.future.result()
+
+    def cancel(self) -> None:
+        """Nobody will wait: the thread stops within one chunk, so a refused launch exits at once."""
+        self.stop.set()
+
+
+def verify_in_background(dataset: TokenDataset) -> PendingChecksums:
+    """Start checking every shard's checksum of ``dataset`` (inspected without them) on a thread of this process,
+    one core left to the caller, and return at once. A first start-up on a dataset copied from elsewhere reads all
+    of its shards: the launch validates the rest of the config meanwhile and waits before any rank starts."""
+    return PendingChecksums(dataset)
+
+
+def _verify_all(dataset: TokenDataset, stop: threading.Event) -> None:
     try:
-        return pool.submit(_verify_all, dataset)
-    finally:
-        pool.shutdown(wait=False)  # the thread ends when the checksums are done
-
-
-def _verify_all(dataset: TokenDataset) -> None:
-    for index in dataset.splits.values():
-        verify_checksums(dataset.directory, index, spare_cores=1)  # one core goes on validating the config
+        for index in dataset.splits.values():
+            verify_checksums(dataset.directory, index, spare_cores=1, stop=stop)
+    except ChecksumsCancelled:
+        pass

@@ -33,9 +33,9 @@ from distrain.checkpoint.data_only import load_tensors_and_values
 from distrain.checkpoint.steps import (
     checkpoint_problem,
     newest_valid,
-    sha256_of_file,
     step_directories,
 )
+from distrain.data.token_format import sha256_of
 from distrain.errors import CheckpointSpaceError
 from distrain.trainer.faults import maybe_inject_fault
 
@@ -270,7 +270,7 @@ class Checkpointer:
                 if self.config is not None:
                     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(self.config))
                 files = {
-                    str(p.relative_to(tmp_path)): {"bytes": p.stat().st_size, "sha256": sha256_of_file(p)}
+                    str(p.relative_to(tmp_path)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
                     for p in sorted(tmp_path.rglob("*"))
                     if p.is_file()
                 }

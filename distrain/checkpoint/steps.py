@@ -5,25 +5,17 @@ launching process checks checkpoints before any rank starts without importing wh
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
+from distrain.data.token_format import sha256_of
+
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def sha256_of_file(path: Path) -> str:
-    """The SHA-256 of the file at ``path``, read 1 MiB at a time."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -55,7 +47,7 @@ def _hashed(path: str, mtime_ns: int, size: int) -> str:
     """A file's SHA-256, once per version of it (``mtime_ns``, ``size``): a tool checks a checkpoint, then reads
     it through a function that checks it again, and large checkpoints take seconds to hash."""
     del mtime_ns, size  # part of the cache key only
-    return sha256_of_file(Path(path))
+    return sha256_of(Path(path))
 
 
 def checkpoint_world_size(path: Path) -> int | None:

@@ -27,12 +27,12 @@ from torch.nn.parallel import DistributedDataParallel
 from distrain.comm.checks import check_topk
 from distrain.comm.quality import CompressedComm
 from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
+from distrain.launch.process_group import DistEnv
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from distrain.config.options import Placement
-from distrain.launch.process_group import DistEnv
 
 FEEDBACKS = ("estimate", "residual")  # feedback on gradients; "update" is distrain.comm.topk_update's
 MAX_INDEX = 2**31 - 1  # indices travel as int32

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from distrain.artifacts.outputs import check_writable
-from distrain.artifacts.token_dataset import inspect_token_dataset, verify_in_background
+from distrain.artifacts.token_dataset import PendingChecksums, inspect_token_dataset, verify_in_background
 from distrain.checkpoint.steps import checkpoint_problem, checkpoint_world_size
 from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.config.global_batch import derive_accumulation, validate_data_fits
@@ -84,7 +83,19 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     that are about this machine (a GPU visible here, how many, autocast probed on it) are skipped; every other
     check is the one the real launch runs.
     """
-    shards_verified = _validate_dataset(cfg)  # first: data=tokens reads the model's vocabulary from the dataset
+    checksums = _validate_dataset(cfg)  # first: data=tokens reads the model's vocabulary from the dataset
+    try:
+        plan = _validate_config(cfg, target)
+        checksums.wait()
+    except DataError as err:
+        raise ConfigError("data.path", cfg.data.get("path"), f"a readable dataset: {err}") from None
+    finally:
+        checksums.cancel()  # after a refusal nobody waits for them: the process exits at once
+    return plan
+
+
+def _validate_config(cfg: DictConfig, target: Target | None) -> LaunchPlan:
+    """Every check but the dataset's (``validate``)."""
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except Exception as err:  # interpolation or missing-value errors carry the key in their message
@@ -140,7 +151,6 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
     for note in own_checks(cfg, placement):  # each option's check_config, distrain's or the user's own
         log.warning(note)
     validate_data_fits(cfg, world_size, local)  # after the degrees are known to be valid
-    shards_verified()
     return LaunchPlan(device_type=device_type, nproc_per_node=nproc, world_size=world_size)
 
 
@@ -285,7 +295,7 @@ def validate_trackers(cfg: DictConfig) -> None:
             raise ConfigError(key, err.value, err.allowed) from None
 
 
-def absolute_paths(cfg: DictConfig) -> None:
+def make_paths_absolute(cfg: DictConfig) -> None:
     """Make the relative paths of ``PATH_KEYS`` and of each tracker's ``absolute_paths`` absolute (from this
     process's directory), in place: the run's saved config (each checkpoint's config.yaml) then names the same files
     wherever ``export`` or ``generate`` runs, and a requeued job finds the same tracker stores."""
@@ -299,13 +309,12 @@ def absolute_paths(cfg: DictConfig) -> None:
             OmegaConf.update(cfg, f"logger.{name}.{key}", value, merge=False)
 
 
-def _validate_dataset(cfg: DictConfig) -> Callable[[], None]:
+def _validate_dataset(cfg: DictConfig) -> PendingChecksums:
     """A dataset on disk (``data.path``): readable, its shards whole, its tokenizer readable; one line naming
     ``data.path`` and the file otherwise. With ``data.verify_checksums`` the shards' checksums are checked on a
-    thread while the rest of the config is validated: the returned function waits for them (and raises for a shard
-    that changed)."""
+    thread while the rest of the config is validated (the returned ``PendingChecksums``)."""
     if "path" not in cfg.data.keys():  # keys(), not `in`: a missing (???) value is not `in` a DictConfig
-        return lambda: None
+        return PendingChecksums(None)
     path = None if OmegaConf.is_missing(cfg.data, "path") else cfg.data.path
     if not path:
         raise ConfigError("data.path", path, "a dataset directory (python -m distrain.data.prepare's output)")
@@ -313,14 +322,4 @@ def _validate_dataset(cfg: DictConfig) -> Callable[[], None]:
         dataset = inspect_token_dataset(path, checksums=False)
     except DataError as err:
         raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
-    if not cfg.data.get("verify_checksums", True):
-        return lambda: None
-    checksums = verify_in_background(dataset)
-
-    def wait_for_checksums() -> None:
-        try:
-            checksums.result()
-        except DataError as err:
-            raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
-
-    return wait_for_checksums
+    return verify_in_background(dataset) if cfg.data.get("verify_checksums", True) else PendingChecksums(None)

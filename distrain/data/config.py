@@ -63,6 +63,6 @@ class TokensDataConfig:
     global_batch_size: int | None = None
     seq_len: int = 128
     path: str = MISSING  # the dataset directory
-    verify_checksums: bool = True  # SHA-256 of every shard against its index before any rank starts
+    verify_checksums: bool = True  # every shard's CRC-32 (or SHA-256) against its index before any rank starts
     prefetch: bool = True  # the next step's batches read by a background thread during this step
     corpus: TokensCorpusConfig = field(default_factory=TokensCorpusConfig)

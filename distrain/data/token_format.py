@@ -32,6 +32,7 @@ import json
 import mmap
 import os
 import tempfile
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -96,18 +97,29 @@ def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-def sha256_of(path: Path, chunk_bytes: int = 1 << 24) -> str:
-    """The SHA-256 of a file, read in 16 MiB chunks (constant memory)."""
+class ChecksumsCancelled(Exception):
+    """Raised inside a checksum whose ``stop`` event was set: nobody waits for its result any more."""
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise ChecksumsCancelled
+
+
+def sha256_of(path: Path, chunk_bytes: int = 1 << 24, stop: threading.Event | None = None) -> str:
+    """The SHA-256 of a file, read in 16 MiB chunks (constant memory); ``stop`` set: ``ChecksumsCancelled``."""
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         while chunk := file.read(chunk_bytes):
+            _check_stop(stop)
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def crc32_of(path: Path, chunk_bytes: int = 1 << 26) -> str:
+def crc32_of(path: Path, chunk_bytes: int = 1 << 26, stop: threading.Event | None = None) -> str:
     """The CRC-32 of a file as 8 hex digits, computed on a read-only memory map 64 MiB at a time: no copy of the
-    file's pages (a read's copy costs as much as the CRC). Runs in the launching process; the map is closed after."""
+    file's pages (a read's copy costs as much as the CRC). Runs in the launching process; the map is closed after.
+    ``stop`` set: ``ChecksumsCancelled`` before the next 64 MiB."""
     value = 0
     with open(path, "rb") as file:
         if os.fstat(file.fileno()).st_size == 0:
@@ -116,15 +128,16 @@ def crc32_of(path: Path, chunk_bytes: int = 1 << 26) -> str:
             view = memoryview(mapped)
             try:
                 for start in range(0, len(mapped), chunk_bytes):
+                    _check_stop(stop)
                     value = zlib.crc32(view[start : start + chunk_bytes], value)
             finally:
                 view.release()
     return f"{value:08x}"
 
 
-def checksum_of(path: Path, algorithm: str) -> str:
+def checksum_of(path: Path, algorithm: str, stop: threading.Event | None = None) -> str:
     """The file's digest by ``algorithm`` (``crc32`` or ``sha256``)."""
-    return crc32_of(path) if algorithm == "crc32" else sha256_of(path)
+    return crc32_of(path, stop=stop) if algorithm == "crc32" else sha256_of(path, stop=stop)
 
 
 CHECKSUM_NAMES = {"crc32": "CRC-32", "sha256": "SHA-256"}
@@ -235,17 +248,20 @@ def _largest_id(path: Path, chunk: int = 1 << 24) -> int:
     return largest
 
 
-def verify_checksums(directory: Path, index: SplitIndex, *, spare_cores: int = 0) -> None:
+def verify_checksums(
+    directory: Path, index: SplitIndex, *, spare_cores: int = 0, stop: threading.Event | None = None
+) -> None:
     """Each shard's checksum (its CRC-32, or its SHA-256 when the index has none) equals its index's, computed on
     threads (zlib and hashlib release the GIL: one shard per core); a shard this user's cache records as verified,
     unchanged since (same size, modification and change times, inode and device), is not read again. DataError
-    naming the first shard that differs. ``spare_cores``: cores left to other work of this process."""
+    naming the first shard that differs (or cannot be read). ``spare_cores``: cores left to other work of this
+    process; ``stop`` set: ``ChecksumsCancelled``."""
     cache = _read_verified()
     shards = [(directory / shard.file, shard.checksum) for shard in index.shards if shard.checksum]
     pending = [(path, checksum) for path, checksum in shards if not _verified(cache, path, _key(*checksum))]
     cores = (os.cpu_count() or 1) - spare_cores
     with ThreadPoolExecutor(max_workers=max(1, min(len(pending), cores))) as pool:
-        results = list(pool.map(lambda item: _hash_between_stamps(item[0], item[1][0]), pending))
+        results = list(pool.map(lambda item: _hash_between_stamps(item[0], item[1][0], stop), pending))
     for (path, (algorithm, expected)), (digest, _) in zip(pending, results, strict=True):
         if digest != expected:
             name = CHECKSUM_NAMES[algorithm]
@@ -284,11 +300,17 @@ def _stamp(path: Path) -> list[int]:
     return [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino, status.st_dev]
 
 
-def _hash_between_stamps(path: Path, algorithm: str) -> tuple[str, list[int] | None]:
-    """The file's digest, and its stamp when the file did not change while it was read (else None: not recorded)."""
-    before = _stamp(path)
-    digest = checksum_of(path, algorithm)
-    return digest, before if _stamp(path) == before else None
+def _hash_between_stamps(
+    path: Path, algorithm: str, stop: threading.Event | None = None
+) -> tuple[str, list[int] | None]:
+    """The file's digest, and its stamp when the file did not change while it was read (else None: not recorded).
+    A shard removed, cut short or unreadable since it was inspected is a DataError naming it."""
+    try:
+        before = _stamp(path)
+        digest = checksum_of(path, algorithm, stop)
+        return digest, before if _stamp(path) == before else None
+    except (OSError, ValueError) as err:  # ValueError: mmap of a file truncated after its size was read
+        raise DataError(str(path), f"unreadable while its checksum was computed ({err})") from None
 
 
 def _read_verified() -> dict:

@@ -25,7 +25,7 @@ from distrain.checkpoint.preflight import prepare_checkpoint_dir
 from distrain.checkpoint.steps import checkpoint_step
 from distrain.config.overrides import composition_error, plain_overrides, quote_group_options
 from distrain.config.schema import register_configs
-from distrain.config.validate import ConfigError, LaunchPlan, absolute_paths, validate
+from distrain.config.validate import ConfigError, LaunchPlan, make_paths_absolute, validate
 from distrain.errors import RUN_ERROR_FILE, ArtifactError, RunError, run_error_line
 from distrain.launch.ranks import (
     ChildFailedError,
@@ -100,7 +100,7 @@ def run(cfg: DictConfig) -> float | None:
         except ArtifactError as err:
             key = "hydra.sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "hydra.run.dir"
             refuse(ConfigError(key, run_dir, f"a directory whose run files are distrain's: {err}"))
-    absolute_paths(cfg)
+    make_paths_absolute(cfg)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_dict["distributed"]["device"] = plan.device_type
     checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 def decay_steps(total_steps: int, decay_fraction: float) -> int:

@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ from distrain.parallelism.layout import Layout
 from distrain.parallelism.pipeline import PipelineStrategy
 from distrain.parallelism.tensor import parallelize_model
 from distrain.precision.policy import PrecisionPolicy
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 AXES = ("pp", "dp", "tp")  # always in the mesh, even at degree 1
 

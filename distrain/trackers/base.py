@@ -53,14 +53,13 @@ class TrackedRun:
 
 
 class Tracker(Protocol):
+    """What every tracker implements. One may also define ``absolute_paths() -> dict[str, str]``: its settings
+    that name local files or stores, made absolute from the launching process's directory, which the launch writes
+    into the run's config (a requeued job started elsewhere, or a tool reading the saved config, finds them)."""
+
     def check(self) -> None:
         """Raise ``TrackerSetupError`` for what would stop ``start`` (a missing package, an unusable URI); runs in
         the launching process before any rank starts, so it must not create runs or files."""
-
-    def absolute_paths(self) -> dict[str, str]:
-        """Optional. This tracker's settings that name local files or stores, as ``{key: value}`` made absolute
-        from this process's directory: the launch writes them into the run's config, so a requeued job started
-        elsewhere, or a tool reading the saved config, finds the same files."""
 
     def start(self, run: TrackedRun) -> None:
         """Open (or continue) this job's run; a tracker may drop what an earlier attempt logged after
@@ -86,8 +85,9 @@ def numeric_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 
 def absolute_path(path: str) -> str:
-    """``path`` (``~`` expanded) made absolute from this process's directory."""
-    return str(Path(path).expanduser().resolve())
+    """``path`` (``~`` expanded) made absolute from this process's directory; an absolute path as it is."""
+    expanded = Path(path).expanduser()
+    return str(expanded if expanded.is_absolute() else expanded.resolve())
 
 
 def require_package(module: str, tracker: str) -> None:

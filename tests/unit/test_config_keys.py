@@ -259,7 +259,6 @@ COMBINATIONS = [
         "parallelism.tp=2 is not allowed: no such key (one of name, find_unused_parameters); it is a key of "
         "parallelism=fsdp, hsdp, hybrid, pipeline, tensor",
     ),
-    (check("distributed.device=cuda"), "distributed.device='cuda' is not allowed"),
     (check("parallelism=zero", "stage=4"), "stage=4 is not allowed: parallelism=zero takes stage 1 or 2 or 3"),
     (check("parallelism=zero", "parallelism.offload_param=cpu"), "parallelism.offload_param='cpu' is not allowed"),
     (check("comm=topk", "comm.density=2"), "comm.density=2.0 is not allowed: a fraction in (0, 1]"),

@@ -83,13 +83,13 @@ def test_a_relative_mlflow_store_is_made_absolute_for_the_saved_config(tmp_path,
 def test_each_tracker_makes_its_own_relative_paths_absolute_in_the_saved_config(tmp_path, monkeypatch):
     from helpers import FAST, compose_config
 
-    from distrain.config.validate import absolute_paths
+    from distrain.config.validate import make_paths_absolute
 
     overrides = [*FAST, "logger=[jsonl,tensorboard,mlflow]", "logger.jsonl.path=runs.jsonl"]
     overrides += ["logger.tensorboard.dir=tb", "logger.mlflow.tracking_uri=sqlite:///m.db"]
     cfg = compose_config(overrides)
     monkeypatch.chdir(tmp_path)
-    absolute_paths(cfg)
+    make_paths_absolute(cfg)
     assert cfg.logger.jsonl.path == str(tmp_path / "runs.jsonl")
     assert cfg.logger.tensorboard.dir == str(tmp_path / "tb")
     assert cfg.logger.mlflow.tracking_uri == f"sqlite:///{tmp_path / 'm.db'}"

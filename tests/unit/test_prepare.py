@@ -227,7 +227,7 @@ def test_the_first_training_start_up_after_prepare_hashes_no_shard(corpus, tmp_p
     out = tmp_path / "data"
     prepare(corpus, out, workers=1, quiet=True, **SETTINGS)
     hashed = []
-    monkeypatch.setattr(token_format, "crc32_of", lambda path: hashed.append(path.name) or "")
+    monkeypatch.setattr(token_format, "crc32_of", lambda path, **_: hashed.append(path.name) or "")
     inspect_token_dataset(out)
     assert hashed == []
     (out / "val-00000.bin").write_bytes((out / "val-00000.bin").read_bytes())  # rewritten: stamp changed

@@ -160,7 +160,7 @@ def test_verified_shards_are_not_hashed_again_until_they_change(dataset, tmp_pat
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     hashed = []
-    monkeypatch.setattr(token_format, "sha256_of", lambda path: hashed.append(path.name) or _sha256(path))
+    monkeypatch.setattr(token_format, "sha256_of", lambda path, **_: hashed.append(path.name) or _sha256(path))
     old = 1_000_000_000_000_000_000  # 2001: well before now, so no shard is too fresh to record
     for shard in dataset.glob("*.bin"):
         os.utime(shard, ns=(old, old))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -121,8 +121,9 @@ class Decoder(nn.Module):
         return h
 
 
-class DecoderSizes(TypedDict, total=False):
-    """The keyword arguments every decoder of the family passes on to ``Decoder`` (its defaults apply)."""
+class DecoderArgs(TypedDict, total=False):
+    """The keyword arguments every decoder of the family passes on to ``Decoder`` (its defaults apply): sizes,
+    norm epsilon, RoPE base and init std."""
 
     vocab_size: int
     max_seq_len: int
@@ -133,3 +134,12 @@ class DecoderSizes(TypedDict, total=False):
     norm_eps: float
     rope_theta: float
     init_std: float
+
+
+def decoder_args(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` when every key is one of ``DecoderArgs`` (a family's own keys are its constructor's); TypeError
+    naming the first other key, as an unexpected keyword argument of the family's constructor would."""
+    unknown = sorted(set(given) - set(DecoderArgs.__annotations__))
+    if unknown:
+        raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}")
+    return given

@@ -7,14 +7,17 @@ built on the meta device and materialised later needs nothing but ``reset_parame
 
 from __future__ import annotations
 
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distrain.models.common.attention import Attention, check_rope_scaling
-from distrain.models.common.decoder import Decoder, DecoderSizes, RMSNorm
+from distrain.models.common.decoder import Decoder, DecoderArgs, RMSNorm, decoder_args
 from distrain.models.llama.spec import LLAMA_SPEC
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class FeedForward(nn.Module):
@@ -69,7 +72,7 @@ class Llama(Decoder):
         rope_scaling: dict[str, Any] | None = None,
         tie_embeddings: bool = False,
         init_from: str | None = None,
-        **sizes: Unpack[DecoderSizes],
+        **sizes: Unpack[DecoderArgs],
     ) -> None:
         rope_scaling = dict(rope_scaling) if rope_scaling else None  # {} (the config's default): plain RoPE
         check_rope_scaling(rope_scaling)
@@ -78,6 +81,6 @@ class Llama(Decoder):
             heads = (decoder.d_model, decoder.n_heads, decoder.n_kv_heads)
             return TransformerBlock(*heads, ffn_hidden, decoder.norm_eps, decoder.rope_theta, rope_scaling)
 
-        super().__init__(**sizes, block=block, tie_embeddings=tie_embeddings)
+        super().__init__(**decoder_args(sizes), block=block, tie_embeddings=tie_embeddings)
         self.ffn_hidden, self.rope_scaling = ffn_hidden, rope_scaling
         self.initialise(init_from)

@@ -7,17 +7,19 @@ objective and to log the experts' load. The model holds no buffers, so it can be
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Unpack
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distrain.models.common.attention import Attention
-from distrain.models.common.decoder import Decoder, DecoderSizes, RMSNorm
+from distrain.models.common.decoder import Decoder, DecoderArgs, RMSNorm, decoder_args
 from distrain.models.moe.spec import MOE_SPEC
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from distrain.models.moe.expert_parallel import ExpertParallel
 
 
@@ -189,7 +191,7 @@ class MoE(Decoder):
         load_balance_coef: float = 0.01,
         z_loss_coef: float = 0.001,
         init_from: str | None = None,
-        **sizes: Unpack[DecoderSizes],
+        **sizes: Unpack[DecoderArgs],
     ) -> None:
         experts = (expert_hidden, n_experts, top_k, load_balance_coef, z_loss_coef)
 
@@ -198,7 +200,7 @@ class MoE(Decoder):
             return MoEBlock(*heads, *experts, decoder.norm_eps, decoder.rope_theta)
 
         # the router and the experts' 3-D weights initialise themselves
-        super().__init__(**sizes, block=block, self_initialising=(MoEFeedForward,))
+        super().__init__(**decoder_args(sizes), block=block, self_initialising=(MoEFeedForward,))
         self.expert_hidden, self.n_experts, self.top_k = expert_hidden, n_experts, top_k
         self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
         self.initialise(init_from)  # a Mixtral directory, renamed by the spec's from_hf (moe/hf.py)
