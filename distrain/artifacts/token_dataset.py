@@ -68,7 +68,9 @@ def inspect_token_dataset(path: str | Path, *, checksums: bool = True) -> TokenD
 
 
 class PendingChecksums:
-    """Every shard's checksum of a dataset, being checked on a thread of this process (``verify_in_background``)."""
+    """Every shard's checksum of ``dataset`` (inspected without them; None: nothing to check), checked on a thread
+    of this process with one core left to the caller. A first start-up on a dataset copied from elsewhere reads all
+    of its shards: the launch validates the rest of the config meanwhile and waits before any rank starts."""
 
     def __init__(self, dataset: TokenDataset | None) -> None:
         self.stop = threading.Event()
@@ -86,13 +88,6 @@ class PendingChecksums:
     def cancel(self) -> None:
         """Nobody will wait: the thread stops within one chunk, so a refused launch exits at once."""
         self.stop.set()
-
-
-def verify_in_background(dataset: TokenDataset) -> PendingChecksums:
-    """Start checking every shard's checksum of ``dataset`` (inspected without them) on a thread of this process,
-    one core left to the caller, and return at once. A first start-up on a dataset copied from elsewhere reads all
-    of its shards: the launch validates the rest of the config meanwhile and waits before any rank starts."""
-    return PendingChecksums(dataset)
 
 
 def _verify_all(dataset: TokenDataset, stop: threading.Event) -> None:

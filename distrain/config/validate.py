@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from distrain.artifacts.outputs import check_writable
-from distrain.artifacts.token_dataset import PendingChecksums, inspect_token_dataset, verify_in_background
+from distrain.artifacts.token_dataset import PendingChecksums, inspect_token_dataset
 from distrain.checkpoint.steps import checkpoint_problem, checkpoint_world_size
 from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.config.global_batch import derive_accumulation, validate_data_fits
@@ -322,4 +322,4 @@ def _validate_dataset(cfg: DictConfig) -> PendingChecksums:
         dataset = inspect_token_dataset(path, checksums=False)
     except DataError as err:
         raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
-    return verify_in_background(dataset) if cfg.data.get("verify_checksums", True) else PendingChecksums(None)
+    return PendingChecksums(dataset if cfg.data.get("verify_checksums", True) else None)

@@ -185,7 +185,7 @@ def plan(cfg: DictConfig) -> DryRunReport:
     finally:
         dist.destroy_process_group()
         _forget_destroyed_meshes()
-    data_parallel = layout_of(cfg.parallelism, target.world_size, target.ranks_per_node).data_parallel
+    data_parallel = mesh.data_parallel
     # validate() checked it; the sampler sizes the report
     sampler = validate_data_fits(cfg, target.world_size, target.ranks_per_node)
     return DryRunReport(
