@@ -5,7 +5,7 @@ model's full parameters, loadable with ``model.load_state_dict`` without distrai
     python -m distrain.checkpoint.export outputs/.../checkpoints/step_00000200 hf_dir --format hf
 
 ``--format hf`` writes a Hugging Face model directory instead (``model.safetensors`` and ``config.json``) for a
-family whose spec maps its names to Hugging Face's (``ModelSpec.to_hf`` and ``hf_config``), so
+family whose spec maps its names to Hugging Face's (``ModelSpec.hf``), so
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it. The family is read from the checkpoint's own
 ``config.yaml``. The tokenizer goes beside the weights, so ``AutoTokenizer.from_pretrained(out)`` works too: the
 one beside the run's dataset (``data=tokens``), else the tokenizer files of the Hugging Face directory the run
@@ -187,13 +187,11 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
         cause = root_cause(err)
         raise ValueError(f"cannot build the model {config_file} describes: {type(cause).__name__}: {cause}") from None
     spec = spec_of(model)
-    if spec.to_hf is None or spec.hf_config is None:
-        raise ValueError(
-            f"{spec.label} has no Hugging Face counterpart (ModelSpec.to_hf, hf_config); use the default format"
-        )
-    hf_config = spec.hf_config(model)
+    if spec.hf is None:
+        raise ValueError(f"{spec.label} has no Hugging Face counterpart (ModelSpec.hf); use the default format")
+    hf_config = spec.hf.config(model)
     hf_config.dtype = torch.float32  # the weights written; a source saved in bf16 would otherwise load as bf16
-    state = spec.to_hf(consolidated_model_state(found.path, inspected=True))
+    state = spec.hf.to_hf(consolidated_model_state(found.path, inspected=True))
     if getattr(hf_config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # transformers ties it to the embedding; safetensors stores no shared tensors
     with _partial(out, directory=True) as partial:

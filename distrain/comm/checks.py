@@ -1,5 +1,6 @@
 """The ``comm`` options' checks against the parallelism, the optimizer and the world size, before any rank starts;
-each method's ``check_config`` (``DDPComm`` and its subclasses) calls those that concern it."""
+each method's ``check_config`` (``DDPComm`` and its subclasses) calls those that concern it. Each returns the
+warnings for a combination that runs but trains worse (a list, empty when there are none)."""
 
 from __future__ import annotations
 
@@ -25,18 +26,20 @@ def check_averaging(cfg: DictConfig, *, as_hook: bool) -> list[str]:
     return []
 
 
-def check_quality_guard(cfg: DictConfig) -> None:
+def check_quality_guard(cfg: DictConfig) -> list[str]:
     check(cfg, "comm.quality_every", at_least(0), "an integer >= 0 (0 turns the quality guard off)")
     check(cfg, "comm.quality_threshold", positive, "a relative error > 0")
+    return []
 
 
-def check_powersgd(cfg: DictConfig) -> None:
+def check_powersgd(cfg: DictConfig) -> list[str]:
     check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the gradient approximation)")
     check(cfg, "comm.start_iter", at_least(2), "an integer >= 2 (DDP rebuilds its buckets after step 1)")
     check(cfg, "comm.min_compression_rate", positive, "a number > 0")
+    return []
 
 
-def check_hierarchical(cfg: DictConfig, world_size: int) -> None:
+def check_hierarchical(cfg: DictConfig, world_size: int) -> list[str]:
     if cfg.comm.ranks_per_node is not None:
         check(
             cfg,
@@ -44,6 +47,7 @@ def check_hierarchical(cfg: DictConfig, world_size: int) -> None:
             lambda v: v >= 1 and world_size % v == 0,
             f"a divisor of the world size ({world_size}), or null for the launcher's ranks per node",
         )
+    return []
 
 
 def check_topk(cfg: DictConfig) -> list[str]:

@@ -55,9 +55,7 @@ class PowerSGDComm(CompressedComm):
 
     @classmethod
     def check_config(cls, cfg: DictConfig, placement: Placement) -> list[str]:
-        notes = super().check_config(cfg, placement)
-        check_powersgd(cfg)
-        return notes
+        return [*super().check_config(cfg, placement), *check_powersgd(cfg)]
 
     def __init__(
         self,
@@ -75,6 +73,7 @@ class PowerSGDComm(CompressedComm):
         self._dense_until_step = 0
 
     def prepare(self, model: DistributedDataParallel, env: DistEnv) -> None:
+        super().prepare(model, env)
         self.state = powerSGD_hook.PowerSGDState(
             process_group=None,
             matrix_approximation_rank=self.matrix_rank,

@@ -137,9 +137,7 @@ class HierarchicalComm(DDPComm):
 
     @classmethod
     def check_config(cls, cfg: DictConfig, placement: Placement) -> list[str]:
-        notes = super().check_config(cfg, placement)
-        check_hierarchical(cfg, placement.world_size)
-        return notes
+        return [*super().check_config(cfg, placement), *check_hierarchical(cfg, placement.world_size)]
 
     def __init__(self, *, ranks_per_node: int | None, **ddp: object) -> None:
         super().__init__(**ddp)

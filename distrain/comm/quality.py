@@ -28,7 +28,6 @@ from torch.nn.parallel import DistributedDataParallel
 from distrain.comm.checks import check_quality_guard
 from distrain.comm.ddp_comm import DDPComm
 from distrain.launch.process_group import DistEnv
-from distrain.monitor.timing import Clock
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -60,20 +59,11 @@ class CompressedComm(DDPComm):
 
     @classmethod
     def check_config(cls, cfg: DictConfig, placement: Placement) -> list[str]:
-        notes = super().check_config(cfg, placement)
-        check_quality_guard(cfg)
-        return notes
+        return [*super().check_config(cfg, placement), *check_quality_guard(cfg)]
 
-    def register(
-        self,
-        model: DistributedDataParallel,
-        env: DistEnv,
-        clock: Clock,
-        on_launch: Callable[[], None] | None = None,
-    ) -> None:
-        """As ``DDPComm.register``; with the guard on, also chooses the sampled entries (the same on every rank)
-        and creates the guard's process group (collective)."""
-        super().register(model, env, clock, on_launch)
+    def prepare(self, model: DistributedDataParallel, env: DistEnv) -> None:
+        """With the guard on: chooses the sampled entries (the same on every rank) and creates the guard's process
+        group (collective). Subclasses that build their own state call this first."""
         if self.quality_every <= 0:
             return
         params = [p for p in model.module.parameters() if p.requires_grad]

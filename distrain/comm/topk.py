@@ -90,6 +90,7 @@ class TopKComm(CompressedComm):
         self.feedback, self.momentum = feedback, momentum
 
     def prepare(self, model: DistributedDataParallel, env: DistEnv) -> None:
+        super().prepare(model, env)
         params = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
         if sum(p.numel() for _, p in params) > MAX_INDEX:
             raise ValueError(f"comm=topk sends int32 indices: at most {MAX_INDEX} trainable parameters per model")

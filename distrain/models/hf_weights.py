@@ -1,4 +1,4 @@
-"""Hugging Face weights in and out, for families whose spec renames their state dict (``ModelSpec.to_hf``/``from_hf``).
+"""Hugging Face weights in and out, for families whose spec renames their state dict (``ModelSpec.hf``).
 
 Weights are safetensors only (nothing pickled): a Hugging Face model directory's ``*.safetensors`` files (one, or
 the shards ``save_pretrained`` writes) are read on the CPU; their headers alone give the shapes a config check
@@ -27,11 +27,11 @@ def weights_problem(model: nn.Module, directory: str | Path) -> str | None:
     the family's mapping does not know, tensors missing or of another shape. None: they fit. A damaged or
     incomplete set of files is an ``ArtifactError`` (``distrain.artifacts.safetensors_set``)."""
     spec = spec_of(model)
-    if spec.from_hf is None:
-        return f"{spec.label} has no Hugging Face counterpart (ModelSpec.from_hf)"
+    if spec.hf is None:
+        return f"{spec.label} has no Hugging Face counterpart (ModelSpec.hf)"
     shapes = hf_shapes(directory)
     try:
-        ours = spec.from_hf({name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
+        ours = spec.hf.from_hf({name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
     except KeyError as err:
         return f"a tensor the {spec.name} family does not have: {err.args[0]}"
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -56,4 +56,4 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for file in inspect_safetensors(directory).files:
         state |= load_file(str(file), device="cpu")
-    model.load_state_dict(spec_of(model).from_hf(state), strict=True)
+    model.load_state_dict(spec_of(model).hf.from_hf(state), strict=True)  # weights_problem: hf is set

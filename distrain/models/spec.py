@@ -22,8 +22,8 @@ The pieces a spec names:
   over the vocabulary).
 - ``flops_per_token``, ``loss`` (summed next-token loss on the model's output) and ``auxiliary_loss`` (a per-forward
   loss the model computed, e.g. a mixture of experts' load balancing, added to the objective but not reported as the
-  loss), ``metrics`` (values to log after a step, e.g. tokens per expert), and ``to_hf``/``from_hf`` (state-dict
-  renaming to and from the family's Hugging Face counterpart).
+  loss), ``metrics`` (values to log after a step, e.g. tokens per expert), and ``hf`` (an ``HFCounterpart``: state-dict
+  renaming to and from the family's Hugging Face counterpart, and the transformers config of a model).
 - ``expert_parallel``: an ``ExpertParallelPlan``, how the family splits its experts over ranks (None: no experts).
 - ``context_parallel``: ``(model, context)`` turns on exact context-parallel attention in every attention module of
   the model (or pipeline stage), given a ``distrain.parallelism.context.ContextParallel``; None: the family has none.
@@ -85,6 +85,17 @@ class ExpertParallelPlan:
 
 
 @dataclass(frozen=True)
+class HFCounterpart:
+    """A family's Hugging Face counterpart: ``to_hf``/``from_hf`` rename a state dict to and from Hugging Face's
+    names and layouts (KeyError on an unknown key); ``config(model)`` is the transformers config describing
+    ``model``."""
+
+    to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    from_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    config: Callable[[nn.Module], Any]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """How a model family is split, sharded, counted and trained (see the module docstring)."""
 
@@ -103,10 +114,7 @@ class ModelSpec:
     metrics: Callable[[nn.Module], dict[str, float]] | None = None
     # Checks of the family's own config keys (``distrain.config.checks.check``), run before any rank starts.
     check_config: Callable[[Any], None] | None = None
-    # State-dict renaming to and from Hugging Face's names for the family (None: no HF counterpart).
-    to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-    from_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-    hf_config: Callable[[nn.Module], Any] | None = None  # the transformers config describing a model of the family
+    hf: HFCounterpart | None = None  # None: the family has no Hugging Face counterpart
     # Turns on context-parallel attention in every attention module, given a ContextParallel (Any: no import cycle).
     context_parallel: Callable[[nn.Module, Any], None] | None = None
     expert_parallel: ExpertParallelPlan | None = None  # how ``parallelism.ep`` splits the experts; None: no experts

@@ -77,11 +77,11 @@ def test_state_dict_names_each_tensor_once_and_maps_to_hugging_faces_names(saved
     ours, theirs = _pair(saved("llama"))
     spec, state = spec_of(ours), ours.state_dict()
     assert not any(name.startswith("hf.") or "rotary_emb" in name for name in state)
-    exported = spec.to_hf(state)
+    exported = spec.hf.to_hf(state)
     assert exported.keys() == theirs.state_dict().keys()
     assert exported["model.layers.1.self_attn.q_proj.weight"] is state["layers.1.self_attn.q_proj.weight"]
-    assert spec.from_hf(theirs.state_dict()).keys() == state.keys()
-    assert spec.hf_config(ours) is ours.config
+    assert spec.hf.from_hf(theirs.state_dict()).keys() == state.keys()
+    assert spec.hf.config(ours) is ours.config
 
 
 def test_stages_skip_what_they_do_not_hold(saved):
@@ -118,9 +118,9 @@ def test_a_tied_head_refuses_pipelines_in_one_line(saved):
     assert model.lm_head.weight is model.embed_tokens.weight
     problem = spec_of(model).splittable_problem(model)
     assert "tie_word_embeddings" in problem and "\n" not in problem
-    state = spec_of(model).to_hf(model.state_dict())
+    state = spec_of(model).hf.to_hf(model.state_dict())
     state.pop("lm_head.weight")  # as safetensors store it: once
-    assert spec_of(model).from_hf(state).keys() == model.state_dict().keys()
+    assert spec_of(model).hf.from_hf(state).keys() == model.state_dict().keys()
 
 
 def test_a_meta_model_gives_its_config_and_runs(saved):
@@ -128,7 +128,7 @@ def test_a_meta_model_gives_its_config_and_runs(saved):
     with torch.device("meta"):
         model = HFCausalLM(name_or_path=str(saved("llama")), max_seq_len=16)
         logits = model(TOKENS.to("meta"))
-    assert logits.shape == (*TOKENS.shape, 256) and spec_of(model).hf_config(model).model_type == "llama"
+    assert logits.shape == (*TOKENS.shape, 256) and spec_of(model).hf.config(model).model_type == "llama"
 
 
 def test_other_architectures_are_wrapped_whole_and_map_names(saved):
@@ -139,10 +139,10 @@ def test_other_architectures_are_wrapped_whole_and_map_names(saved):
     assert not ours.split and spec.blocks == "hf.transformer.h"
     with torch.no_grad():
         assert torch.equal(ours(TOKENS), theirs(input_ids=TOKENS).logits)
-    fresh = GPT2LMHeadModel(spec.hf_config(ours))
-    fresh.load_state_dict(spec.to_hf(ours.state_dict()), strict=True)
+    fresh = GPT2LMHeadModel(spec.hf.config(ours))
+    fresh.load_state_dict(spec.hf.to_hf(ours.state_dict()), strict=True)
     hf_state = {k: v for k, v in theirs.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
-    assert spec.from_hf(hf_state).keys() == ours.state_dict().keys()
+    assert spec.hf.from_hf(hf_state).keys() == ours.state_dict().keys()
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from distrain.models.hf_weights import load_hf_weights
 from distrain.models.moe.hf import from_hf, from_hf_config, hf_config, to_hf
 from distrain.models.moe.model import MoE
 from distrain.models.moe.spec import MOE_SPEC
-from distrain.models.spec import spec_of
+from distrain.models.spec import HFCounterpart, spec_of
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
@@ -82,7 +82,7 @@ def test_round_trip_gives_the_same_tensors_and_keys():
     back = from_hf(hf_state)
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], v) for k, v in state.items())
-    assert MOE_SPEC.to_hf is to_hf and MOE_SPEC.from_hf is from_hf and MOE_SPEC.hf_config is hf_config
+    assert MOE_SPEC.hf == HFCounterpart(to_hf, from_hf, hf_config)
 
 
 def test_unknown_keys_are_refused():
@@ -120,8 +120,8 @@ def test_export_layout_loads_in_transformers_without_warnings_and_back_into_ours
     ours = _ours()
     # What distrain.checkpoint.export.export_hf writes: to_hf's names in model.safetensors, hf_config's config.json.
     spec = spec_of(ours)
-    save_file({k: v.contiguous() for k, v in spec.to_hf(ours.state_dict()).items()}, tmp_path / "model.safetensors")
-    spec.hf_config(ours).save_pretrained(tmp_path)
+    save_file({k: v.contiguous() for k, v in spec.hf.to_hf(ours.state_dict()).items()}, tmp_path / "model.safetensors")
+    spec.hf.config(ours).save_pretrained(tmp_path)
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     tokens = _tokens()

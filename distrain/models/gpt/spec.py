@@ -9,7 +9,7 @@ from torch import nn
 
 from distrain.config.checks import at_least, check
 from distrain.models.gpt.hf import from_hf, hf_config, to_hf
-from distrain.models.spec import ConfigProblem, ModelSpec
+from distrain.models.spec import ConfigProblem, HFCounterpart, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
 NAMES = DecoderNames(
@@ -62,7 +62,5 @@ GPT_SPEC = ModelSpec(
     tensor_problem=tensor_problem,
     flops_per_token=flops_per_token,
     check_config=check_config,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    hf_config=hf_config,
+    hf=HFCounterpart(to_hf, from_hf, hf_config),
 )

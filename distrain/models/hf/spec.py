@@ -19,7 +19,13 @@ from torch import nn
 
 from distrain.config.checks import ConfigError, check
 from distrain.errors import ArtifactError
-from distrain.models.spec import ConfigProblem, ModelSpec, default_parameter_roles, matmul_flops_per_token
+from distrain.models.spec import (
+    ConfigProblem,
+    HFCounterpart,
+    ModelSpec,
+    default_parameter_roles,
+    matmul_flops_per_token,
+)
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
 ROOT = "hf"  # the wrapper's child holding a transformers model wrapped whole
@@ -127,9 +133,7 @@ def llama_layout_spec(model: nn.Module) -> ModelSpec:
         pipeline_problem=pipeline_problem,
         flops_per_token=flops_per_token,
         check_config=check_config,
-        to_hf=to_hf,
-        from_hf=from_hf,
-        hf_config=hf_config,
+        hf=HFCounterpart(to_hf, from_hf, hf_config),
     )
 
 
@@ -154,9 +158,7 @@ def whole_spec(model: nn.Module) -> ModelSpec:
         ),
         flops_per_token=flops_per_token,
         check_config=check_config,
-        to_hf=to_hf,
-        from_hf=from_hf,
-        hf_config=hf_config,
+        hf=HFCounterpart(to_hf, from_hf, hf_config),
         roles=whole_model_roles,
     )
 

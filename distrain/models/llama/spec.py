@@ -14,7 +14,7 @@ from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.errors import ArtifactError
 from distrain.models.common.spec import DECODER_MODULES, enable_context_parallel
 from distrain.models.llama.hf import from_hf, hf_config, to_hf
-from distrain.models.spec import ConfigProblem, ModelSpec
+from distrain.models.spec import ConfigProblem, HFCounterpart, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
 NAMES = DecoderNames(
@@ -145,8 +145,6 @@ LLAMA_SPEC = ModelSpec(
     pipeline_problem=pipeline_problem,
     flops_per_token=flops_per_token,
     check_config=check_config,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    hf_config=hf_config,
+    hf=HFCounterpart(to_hf, from_hf, hf_config),
     context_parallel=enable_context_parallel,
 )

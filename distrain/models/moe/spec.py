@@ -19,7 +19,7 @@ from distrain.models.common.spec import DECODER_MODULES, enable_context_parallel
 from distrain.models.llama.spec import check_config as check_llama_config
 from distrain.models.llama.spec import check_init_from as check_llama_init_from
 from distrain.models.moe.hf import from_hf, hf_config, to_hf
-from distrain.models.spec import ExpertParallelPlan, ModelSpec, default_parameter_roles
+from distrain.models.spec import ExpertParallelPlan, HFCounterpart, ModelSpec, default_parameter_roles
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -172,9 +172,7 @@ MOE_SPEC = ModelSpec(
     auxiliary_loss=auxiliary_loss,
     metrics=metrics,
     check_config=check_config,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    hf_config=hf_config,
+    hf=HFCounterpart(to_hf, from_hf, hf_config),
     context_parallel=enable_context_parallel,  # the family's attention, so its context parallelism
     expert_parallel=EXPERT_PLAN,
     roles=parameter_roles,
