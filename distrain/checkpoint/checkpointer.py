@@ -196,7 +196,7 @@ class Checkpointer:
         try:
             torch.save(rng_state(), tmp_path / f"rng_rank{rank}.pt")
             if self.async_save and not blocking:
-                writing = strategy.save_checkpoint(tmp_path, extra, process_group=self._writer_group, asynchronous=True)
+                writing = strategy.save_checkpoint_async(tmp_path, extra, self._writer_group)
                 self._pending = _PendingSave(step, tmp_path, final_path, writing)
                 return final_path
             strategy.save_checkpoint(tmp_path, extra)

@@ -112,19 +112,13 @@ class Strategy(Protocol):
     def model_state_bytes(self) -> ModelStateBytes:
         """Parameter, gradient and optimizer-state bytes this rank holds (measured at the first step's end)."""
 
-    def save_checkpoint(
-        self,
-        path: Path,
-        extra: dict[str, Any],
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        asynchronous: bool = False,
-    ) -> Future | None:
-        """Write this rank's part of a sharded checkpoint into ``path`` (collective), with ``extra`` loop state.
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        """Write this rank's part of a sharded checkpoint into ``path`` (collective), with ``extra`` loop state."""
 
-        ``asynchronous``: stage a copy in CPU memory, write it in a background thread whose collectives run on
-        ``process_group``, and return the future of the write.
-        """
+    def save_checkpoint_async(self, path: Path, extra: dict[str, Any], process_group: dist.ProcessGroup) -> Future:
+        """As ``save_checkpoint``, but return once a copy is staged in CPU memory: a background thread writes it,
+        its collectives on ``process_group``; the future completes when the files are written. Only strategies
+        whose capabilities say ``async_save``."""
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         """Restore from ``path`` (collective); ``extra`` is a template of the loop state, returned filled."""
@@ -353,19 +347,11 @@ class LocalBackwardStrategy:
             "scaler": self.scaler.state_dict(),
         }
 
-    def save_checkpoint(
-        self,
-        path: Path,
-        extra: dict[str, Any],
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        asynchronous: bool = False,
-    ) -> Future | None:
-        state = {**self._state_dict(), "extra": extra}
-        if asynchronous:
-            return dcp.async_save(state, checkpoint_id=path, process_group=process_group)
-        dcp.save(state, checkpoint_id=path, process_group=process_group)
-        return None
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        dcp.save({**self._state_dict(), "extra": extra}, checkpoint_id=path)
+
+    def save_checkpoint_async(self, path: Path, extra: dict[str, Any], process_group: dist.ProcessGroup) -> Future:
+        return dcp.async_save({**self._state_dict(), "extra": extra}, checkpoint_id=path, process_group=process_group)
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         env = self.ctx.env

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from distrain.checkpoint.data_only import load_tensors_and_values
@@ -296,21 +295,9 @@ class ZeroStrategy:
             raise RuntimeError("model state is measured during the first train_step")
         return self._state_bytes
 
-    def save_checkpoint(
-        self,
-        path: Path,
-        extra: dict[str, Any],
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        asynchronous: bool = False,
-    ) -> None:
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         """DeepSpeed's own sharded format: each rank writes its optimizer (and, at stage 3, parameter) partition.
-
-        Synchronous only (validation refuses ``checkpoint.async_save`` with zero); DeepSpeed uses its own groups.
-        """
-        del process_group
-        if asynchronous:
-            raise ValueError("DeepSpeed checkpoints are written synchronously")
+        Synchronous only (its capabilities say no ``async_save``, so validation refuses it)."""
         self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, client_state={"extra": extra}, save_latest=False)
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
