@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distrain.launch.threads import use_intra_op_threads
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -46,7 +48,8 @@ def init_distributed(*, device: str, backend: str | None, timeout_s: float, thre
     """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
     Collective: ``init_process_group`` rendezvous of all ranks. On CUDA each rank takes GPU ``LOCAL_RANK``.
-    On CPU the machine's cores are split between the node's ranks so they do not oversubscribe.
+    On CPU the machine's cores are split between the node's ranks so they do not oversubscribe; only the training
+    thread runs parallel loops (``use_intra_op_threads``: gloo's worker threads stay serial).
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -58,7 +61,7 @@ def init_distributed(*, device: str, backend: str | None, timeout_s: float, thre
         torch_device = torch.device("cuda", local_rank)
     else:
         torch_device = torch.device("cpu")
-        torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size))
+        use_intra_op_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(

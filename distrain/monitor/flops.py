@@ -1,13 +1,12 @@
 """Model FLOPs utilisation: the model's training FLOPs per token over the devices' peak.
 
 Peak FLOP/s per device: ``monitor.peak_flops`` if set; on a GPU, the datasheet's dense peak for the compute dtype
-from ``GPU_PEAK_FLOPS`` (matched by device name); on CPU, the fp32 matmul throughput measured on this rank's
-threads at start-up, so CPU MFU says how close the step comes to the best matmul this rank can do.
+from ``GPU_PEAK_FLOPS`` (matched by device name). On CPU the peak is unknown and MFU is left out unless
+``monitor.peak_flops`` is set: a matmul rate measured at start-up depended on what else the machine was doing at
+that moment (other ranks still starting), and MFU read up to 444% from it.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -34,25 +33,10 @@ def gpu_peak_flops(device_name: str, low_precision: bool) -> float | None:
     return None
 
 
-def measured_cpu_flops(size: int = 512, bursts: int = 6, seconds: float = 0.05) -> float:
-    """fp32 matmul FLOP/s on this process's intra-op threads: the best of ``bursts`` short bursts, so a moment of
-    contention from another process while measuring does not lower the peak (and inflate MFU)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)  # warm-up
-    best = 0.0
-    for _ in range(bursts):
-        count, started = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - started) < seconds:
-            torch.mm(a, b)
-            count += 1
-        best = max(best, 2 * size**3 * count / elapsed)
-    return best
-
-
 def peak_flops_per_device(device: torch.device, compute_dtype: torch.dtype, configured: float | None) -> float | None:
     """Peak FLOP/s of one device for MFU, or None when unknown (MFU is then not reported)."""
     if configured:
         return configured
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), compute_dtype != torch.float32)
-    return measured_cpu_flops()
+    return None

@@ -116,11 +116,21 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
             tokens_per_step=data.sampler.global_batch_size * cfg.data.seq_len,
             samples_per_step=data.sampler.global_batch_size,
             flops_per_token=flops_per_token,
-            peak_flops=peak_flops_per_device(env.device, precision.compute_dtype, cfg.monitor.peak_flops),
+            peak_flops=_peak_flops(env, precision.compute_dtype, cfg.monitor.peak_flops),
             straggler_threshold=cfg.monitor.straggler_threshold,
         ),
         model_parameters=model_parameters,
     )
+
+
+def _peak_flops(env: DistEnv, compute_dtype: torch.dtype, configured: float | None) -> float | None:
+    """One device's peak FLOP/s for MFU; None (said once, on rank 0) where it is unknown: CPUs, unlisted GPUs."""
+    peak = peak_flops_per_device(env.device, compute_dtype, configured)
+    if peak is None and env.is_main:
+        log.info(
+            "mfu: not reported, the peak FLOP/s of a %s device is unknown (set monitor.peak_flops)", env.device.type
+        )
+    return peak
 
 
 def build_data(
