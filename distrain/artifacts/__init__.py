@@ -7,7 +7,7 @@ what is wrong with it; every entry point that reads that kind (``train.py``'s va
 - ``hf_directory``: a Hugging Face model directory (config.json and its weights)
 - ``safetensors_set``: safetensors weight files (one, or an index's shards)
 - ``token_dataset``: a prepared (or nanoGPT) token dataset
-- ``tokenizer``: a ``tokenizer.json`` or a directory holding one
+- ``tokenizer``: a ``tokenizer.json`` or a directory holding one (or nanoGPT's ``meta.pkl``: ``char_vocab``)
 - ``checkpoint``: a ``step_*`` checkpoint, or a run directory's newest one
 - ``run_directory``: an existing run directory (its run files must be distrain's)
 - ``outputs``: a path a command will write (never replacing what it did not write), and tracker stores

@@ -1,4 +1,5 @@
-"""Inspector of a tokenizer: a Hugging Face ``tokenizers`` file (``tokenizer.json``) or a model directory holding one.
+"""Inspector of a tokenizer: a Hugging Face ``tokenizers`` file (``tokenizer.json``) or a model directory holding one,
+or nanoGPT's character-level ``meta.pkl`` (``distrain.artifacts.char_vocab``).
 
 What it establishes: the path exists, a directory holds ``tokenizer.json``, the file is one the ``tokenizers``
 library reads, and how many ids it can produce (its vocabulary with added tokens), so a caller can compare that
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distrain.artifacts.char_vocab import inspect_char_vocab, is_char_vocab
 from distrain.errors import ArtifactError, first_line
 
 FILE = "tokenizer.json"
@@ -18,7 +20,8 @@ FILE = "tokenizer.json"
 
 @dataclass(frozen=True)
 class TokenizerFile:
-    """A readable tokenizer: its file, the loaded ``tokenizers.Tokenizer`` and the ids it can produce."""
+    """A readable tokenizer: its file, the loaded ``tokenizers.Tokenizer`` (a ``CharVocab`` for a ``meta.pkl``)
+    and the ids it can produce."""
 
     file: Path
     tokenizer: Any
@@ -40,17 +43,25 @@ def tokenizer_file(path: str | Path) -> Path:
 def inspect_tokenizer(path: str | Path, *, max_vocab: int | None = None, used_by: str = "") -> TokenizerFile:
     """The tokenizer at ``path`` (file or directory); with ``max_vocab``, one that produces no id at or above it
     (``used_by`` names what has that vocabulary, for the refusal)."""
-    from tokenizers import Tokenizer
-
-    file = tokenizer_file(path)
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as err:  # tokenizers raises its own exception types for unreadable files
-        raise ArtifactError(str(file), f"an unreadable tokenizer ({first_line(err, 200)})") from None
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if is_char_vocab(path):
+        tokenizer: Any = inspect_char_vocab(path)
+        file, vocab_size = tokenizer.file, tokenizer.vocab_size
+    else:
+        file = tokenizer_file(path)
+        tokenizer = _read_tokenizer_json(file)
+        vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     if max_vocab is not None and vocab_size > max_vocab:
         raise ArtifactError(
             str(file),
             f"produces ids up to {vocab_size - 1}, more than {used_by or 'the model'} has (vocabulary {max_vocab})",
         )
     return TokenizerFile(file, tokenizer, vocab_size)
+
+
+def _read_tokenizer_json(file: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises its own exception types for unreadable files
+        raise ArtifactError(str(file), f"an unreadable tokenizer ({first_line(err, 200)})") from None

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from distrain.artifacts.char_vocab import FILE as CHAR_VOCAB
+from distrain.artifacts.char_vocab import inspect_char_vocab
 from distrain.errors import ArtifactError
 
 FORMAT, VERSION = "distrain.tokens", 1
@@ -219,7 +221,8 @@ def _check_types(path: Path, index: SplitIndex) -> None:
 
 
 def _nanogpt_index(directory: Path, split: str) -> SplitIndex:
-    """A nanoGPT ``<split>.bin`` as a one-shard split (its vocabulary: the largest id of both bins + 1)."""
+    """A nanoGPT ``<split>.bin`` as a one-shard split. Its vocabulary: a character-level ``meta.pkl``'s beside it
+    (its tokenizer), else the largest id of both bins + 1."""
     path = directory / f"{split}.bin"
     size = path.stat().st_size
     if size % 2:
@@ -227,7 +230,17 @@ def _nanogpt_index(directory: Path, split: str) -> SplitIndex:
     bins = [directory / f"{name}.bin" for name in SPLITS]
     largest = _largest_of(tuple(str(b) for b in bins), tuple((b.stat().st_size, b.stat().st_mtime_ns) for b in bins))
     shard = Shard(file=path.name, tokens=size // 2, sha256=None)
-    return SplitIndex(split, "uint16", largest + 1, None, None, None, size // 2, largest, (shard,))
+    tokenizer, vocab_size = None, largest + 1
+    if (directory / CHAR_VOCAB).is_file():
+        try:
+            tokenizer, vocab_size = CHAR_VOCAB, inspect_char_vocab(directory / CHAR_VOCAB).vocab_size
+        except ArtifactError as err:
+            raise DataError(err.where, err.problem) from None
+        if largest >= vocab_size:
+            raise DataError(
+                str(directory / CHAR_VOCAB), f"maps {vocab_size} characters, but the bins hold the id {largest}"
+            )
+    return SplitIndex(split, "uint16", vocab_size, None, tokenizer, None, size // 2, largest, (shard,))
 
 
 @lru_cache(maxsize=8)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from distrain.artifacts.char_vocab import is_char_vocab
 from distrain.artifacts.tokenizer import inspect_tokenizer
 from distrain.data.token_format import DataError, sha256_of
 from distrain.errors import ArtifactError
@@ -45,6 +46,12 @@ def resolve_tokenizer_path(path: str | Path) -> TokenizerSource:
     """``path`` (a ``tokenizer.json`` or a local Hugging Face model directory holding one), inspected
     (``distrain.artifacts.tokenizer``), as a source; the EOS token of a directory's ``tokenizer_config.json`` when
     it names one. DataError naming the file and ``--tokenizer`` otherwise."""
+    if is_char_vocab(path):
+        raise DataError(
+            str(path),
+            "a nanoGPT meta.pkl is read beside its own train.bin/val.bin, not to prepare with "
+            "(--tokenizer: a tokenizer.json or a Hugging Face model directory)",
+        )
     try:
         file = inspect_tokenizer(path).file.resolve()
         digest = sha256_of(file)

@@ -5,8 +5,9 @@
 CHECKPOINT may also be a run directory (or its ``checkpoints/``): its newest complete checkpoint is used. Runs in
 one process on the CPU (or ``--device cuda``), without a process group: the checkpoint's model is rebuilt
 from its own ``config.yaml`` and its consolidated weights loaded (any strategy's format, as ``export`` reads them).
-The tokenizer is, in order: ``--tokenizer`` (a ``tokenizer.json``, a Hugging Face model directory, or ``bytes``),
-the one beside the run's dataset (``data=tokens``), the one in the Hugging Face directory the model came from
+The tokenizer is, in order: ``--tokenizer`` (a ``tokenizer.json``, a Hugging Face model directory, nanoGPT's
+character-level ``meta.pkl``, or ``bytes``), the one beside the run's dataset (``data=tokens``; a nanoGPT dataset's
+``meta.pkl``), the one in the Hugging Face directory the model came from
 (``model=hf`` or ``model.init_from``), or bytes when the data was byte-level (the default corpus).
 """
 
@@ -23,6 +24,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from distrain.artifacts.char_vocab import CharVocab
 from distrain.artifacts.checkpoint import Checkpoint, inspect_checkpoint
 from distrain.artifacts.hf_directory import read_config
 from distrain.artifacts.tokenizer import inspect_tokenizer
@@ -43,8 +45,8 @@ class ByteTokenizer:
 class FileTokenizer:
     """A Hugging Face ``tokenizers`` file (``tokenizer.json``), decoding special tokens as text is not wanted."""
 
-    def __init__(self, path: Path, max_vocab: int | None = None) -> None:
-        self.tokenizer = inspect_tokenizer(path, max_vocab=max_vocab, used_by="this checkpoint's model").tokenizer
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -53,7 +55,13 @@ class FileTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def find_tokenizer(cfg: DictConfig, override: str | None) -> ByteTokenizer | FileTokenizer:
+def read_tokenizer(path: Path, max_vocab: int | None) -> FileTokenizer | CharVocab:
+    """The tokenizer at ``path`` (inspected: ``ArtifactError`` names what is wrong), producing ids < ``max_vocab``."""
+    found = inspect_tokenizer(path, max_vocab=max_vocab, used_by="this checkpoint's model").tokenizer
+    return found if isinstance(found, CharVocab) else FileTokenizer(found)
+
+
+def find_tokenizer(cfg: DictConfig, override: str | None) -> ByteTokenizer | FileTokenizer | CharVocab:
     """The tokenizer to decode the run's ids with (see the module docstring); ValueError when there is none."""
     if override == "bytes":
         if cfg.model.get("vocab_size") and cfg.model.vocab_size > 256:
@@ -72,11 +80,11 @@ def find_tokenizer(cfg: DictConfig, override: str | None) -> ByteTokenizer | Fil
         candidates.append(Path(source))
     vocab = model_vocab(cfg)
     if override:
-        return FileTokenizer(Path(override), vocab)  # its inspector names what is wrong with it
+        return read_tokenizer(Path(override), vocab)  # its inspector names what is wrong with it
     for candidate in candidates:
         file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
         if file.is_file():
-            return FileTokenizer(file, vocab)
+            return read_tokenizer(file, vocab)
     if not cfg.data.get("path") and cfg.model.get("vocab_size") == 256:
         return ByteTokenizer()
     raise ValueError("the run's data has no tokenizer beside it; give one with --tokenizer PATH (or bytes)")
@@ -142,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--tokenizer", default=None, help="a tokenizer.json, a Hugging Face model directory, or bytes (id = byte)"
+        "--tokenizer",
+        default=None,
+        help="a tokenizer.json, a Hugging Face model directory, nanoGPT's meta.pkl, or bytes (id = byte)",
     )
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
@@ -174,7 +184,7 @@ def check_device(name: str) -> None:
 
 
 def _generate(model: torch.nn.Module, cfg: DictConfig, tokenizer: Any, args: argparse.Namespace) -> str:
-    prompt = tokenizer.encode(args.prompt) if args.prompt else [_start_id(cfg)]
+    prompt = tokenizer.encode(args.prompt) if args.prompt else [_start_id(cfg, tokenizer)]
     new_ids = sample(
         model,
         prompt,
@@ -187,7 +197,7 @@ def _generate(model: torch.nn.Module, cfg: DictConfig, tokenizer: Any, args: arg
     return tokenizer.decode(new_ids)
 
 
-def _start_id(cfg: DictConfig) -> int:
+def _start_id(cfg: DictConfig, tokenizer: Any) -> int:
     """Without a prompt, generation starts after an end of document (a prepared dataset's EOS), else a newline."""
     if cfg.data.get("path"):
         from distrain.data.token_format import read_index
@@ -196,6 +206,8 @@ def _start_id(cfg: DictConfig) -> int:
         eos = read_index(dataset_directory(cfg.data.path), "train").eos_id
         if eos is not None:
             return eos
+    if isinstance(tokenizer, CharVocab) and "\n" in tokenizer.itos:
+        return tokenizer.itos.index("\n")
     return ord("\n")
 
 

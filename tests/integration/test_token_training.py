@@ -1,8 +1,10 @@
 """Training on token shards through train.py: a corpus of text, JSON Lines and Parquet prepared and trained on,
-bit-identical losses after a resume on shards, nanoGPT bins, the vocabulary taken from the data, a damaged dataset
-refused in one line, and sampling from the checkpoint with the tokenizer beside the data."""
+bit-identical losses after a resume on shards, nanoGPT bins, the vocabulary taken from the data (or nanoGPT's
+character-level meta.pkl, which also decodes generate's samples), a damaged dataset refused in one line, and sampling
+from the checkpoint with the tokenizer beside the data."""
 
 import json
+import pickle
 import subprocess
 import sys
 
@@ -54,6 +56,47 @@ def test_nanogpt_bins_train_with_the_vocabulary_of_the_data(tmp_path):
     overridden = run_train([*args, "model.vocab_size=1024", f"hydra.run.dir={tmp_path / 'run2'}"], REPO)
     assert overridden.returncode == 0, overridden.stderr[-2000:]
     assert OmegaConf.load(tmp_path / "run2" / "checkpoints" / "step_00000002" / "config.yaml").model.vocab_size == 1024
+
+
+def nanogpt_char_dataset(directory, text):
+    """What nanoGPT's shakespeare_char/prepare.py writes: uint16 character ids in train.bin/val.bin, meta.pkl."""
+    directory.mkdir()
+    chars = sorted(set(text))
+    stoi, itos = {c: i for i, c in enumerate(chars)}, dict(enumerate(chars))
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    ids[: len(ids) * 9 // 10].tofile(directory / "train.bin")
+    ids[len(ids) * 9 // 10 :].tofile(directory / "val.bin")
+    with open(directory / "meta.pkl", "wb") as file:
+        pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, file)
+    return chars
+
+
+def test_nanogpt_char_data_trains_and_generates_with_its_meta_pkl(tmp_path):
+    """meta.pkl gives the vocabulary (not the largest id + 1) and decodes generate's ids; a meta.pkl that would run
+    code, or maps fewer characters than the bins use, is one line before any rank starts."""
+    text = (REPO / "distrain" / "config" / "validate.py").read_text() * 4
+    chars = nanogpt_char_dataset(tmp_path / "char", text)
+    args = [*COMMON, f"data.path={tmp_path / 'char'}", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]
+    done = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert OmegaConf.load(checkpoint / "config.yaml").model.vocab_size == len(chars)
+    generate = [sys.executable, "-m", "distrain.tools.generate", str(checkpoint), "--max-new-tokens", "30"]
+    sampled = subprocess.run([*generate, "--prompt", "def "], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.startswith("def ") and set(sampled.stdout) <= {*chars, "\n"}
+    assert len(sampled.stdout) == len("def ") + 30 + 1  # one character per id, and print's newline
+    unknown = subprocess.run([*generate, "--prompt", "\u00e9"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "is not in this vocabulary" in unknown.stderr, unknown.stderr
+
+    (tmp_path / "char" / "meta.pkl").write_bytes(pickle.dumps({"stoi": {}, "itos": {}, "run": print}))
+    refused = run_train([*args, f"hydra.run.dir={tmp_path / 'bad'}"], REPO)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "meta.pkl" in refused.stderr and "names builtins.print" in refused.stderr
+    short = {"vocab_size": 2, "itos": {0: "a", 1: "b"}, "stoi": {"a": 0, "b": 1}}
+    (tmp_path / "char" / "meta.pkl").write_bytes(pickle.dumps(short))
+    refused = run_train([*args, f"hydra.run.dir={tmp_path / 'short'}"], REPO)
+    assert refused.returncode == 2 and f"maps 2 characters, but the bins hold the id {len(chars) - 1}" in refused.stderr
 
 
 def test_a_damaged_dataset_is_one_line_before_any_rank_starts(shards, tmp_path):
