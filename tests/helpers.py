@@ -160,20 +160,21 @@ def run_train(
 
     On ``timeout`` the whole process group is killed (launcher, fork server and ranks), so a hung run leaves no
     ranks behind to slow the tests after it, and ``subprocess.TimeoutExpired`` is raised. Without ``env`` the run
-    is a child of the session's warm interpreter (``tests/warm.py``: the same process, its imports already done);
-    with it, a cold ``python`` (variables may be read as modules are imported)."""
+    is a child of the session's warm interpreter (``tests/warm.py``: the same process, its imports already done), as
+    it is with variables only read when used (``READ_WHEN_USED``); with others, a cold ``python`` (they may be read
+    as modules are imported)."""
     command = [sys.executable, str(REPO / "train.py"), *args]
-    if not env:
-        code, stdout, stderr = warm_python().run(command[1:], cwd=cwd, env=dict(os.environ), timeout=timeout)
+    environment = {key: value for key, value in {**os.environ, **(env or {})}.items() if value is not None}
+    if set(env or {}) <= READ_WHEN_USED:
+        code, stdout, stderr = warm_python().run(command[1:], cwd=cwd, env=environment, timeout=timeout)
         if code is None:
             raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
         return subprocess.CompletedProcess(command, code, stdout, stderr)
-    return run_in_own_group(
-        command,
-        cwd=cwd,
-        env={key: value for key, value in {**os.environ, **env}.items() if value is not None},
-        timeout=timeout,
-    )
+    return run_in_own_group(command, cwd=cwd, env=environment, timeout=timeout)
+
+
+# Variables distrain reads when it uses them, never as a module is imported (distrain.trainer.faults).
+READ_WHEN_USED = {"DISTRAIN_INJECT_FAULT", "DISTRAIN_INJECT_DELAY"}
 
 
 _warm: list[WarmPython] = []

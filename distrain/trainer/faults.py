@@ -5,11 +5,13 @@ Kinds: ``raise`` (an exception in that rank), ``kill`` (SIGKILL to itself), ``st
 that stops responding) or ``spin`` (an endless loop, as a bug in user code would be). Points: ``step`` (default:
 after optimizer step ``step`` completed on rank ``rank``), ``save`` (while checkpoint ``step`` is being written: its
 shards are on disk, its manifest is not) or ``update`` (in the middle of applying step ``step``'s update). Read
-once per process and never fired in a restarted attempt; unset in normal use, where the check is one comparison.
+once per process, at first use, and never fired in a restarted attempt; unset in normal use, where the check is one
+comparison.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -37,24 +39,30 @@ def _parse(spec: str | None) -> tuple[str, int, int, str] | None:
     return kind, int(rank), int(step), point
 
 
-_FAULT = _parse(os.environ.get(ENV_VAR))
-_DELAY = tuple(float(x) for x in os.environ[DELAY_ENV_VAR].split(":")) if os.environ.get(DELAY_ENV_VAR) else None
+@functools.cache
+def _configured() -> tuple[tuple[str, int, int, str] | None, tuple[float, ...] | None]:
+    """The fault and the delay, read at their first use in this process (not at import: a process forked from an
+    interpreter that imported this module, as the tests' warm one is, still reads its own environment)."""
+    delay = os.environ.get(DELAY_ENV_VAR)
+    return _parse(os.environ.get(ENV_VAR)), tuple(float(x) for x in delay.split(":")) if delay else None
 
 
 def maybe_inject_delay(rank: int) -> None:
     """Sleep in this step if this rank is the one configured to be slow (counted as its compute time)."""
-    if _DELAY is not None and rank == int(_DELAY[0]):
-        time.sleep(_DELAY[1])
+    delay = _configured()[1]
+    if delay is not None and rank == int(delay[0]):
+        time.sleep(delay[1])
 
 
 def maybe_inject_fault(rank: int, step: int, point: str = "step") -> None:
     """Fire the configured fault if this is its rank, step and point (and not a restarted attempt)."""
-    if _FAULT is None or (rank, step, point) != _FAULT[1:] or restarted_attempt():
+    fault = _configured()[0]
+    if fault is None or (rank, step, point) != fault[1:] or restarted_attempt():
         return
-    if _FAULT[0] == "kill":
+    if fault[0] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if _FAULT[0] == "stop":
+    if fault[0] == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-    while _FAULT[0] == "spin":
+    while fault[0] == "spin":
         pass
     raise InjectedFault(f"injected fault on rank {rank} {_WHEN[point]} {step}")
