@@ -59,6 +59,7 @@ KEYS = {
         "sdpa",
     ),
     "model.random_init": BOOL,
+    "model.bias": BOOL,
     "model.init_from": (check("model=llama_tiny", "model.init_from=/no/such/hf/model"), "(no such directory)"),
     "model.expert_hidden": (check("model=moe_tiny", "model.expert_hidden=0"), ">= 1"),
     "model.n_experts": (check("model=moe_tiny", "model.n_experts=0"), ">= 1"),

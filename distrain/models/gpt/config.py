@@ -17,3 +17,5 @@ class GPTConfig:
     n_heads: int = 4
     mlp_ratio: int = 4
     dropout: float = 0.0
+    bias: bool = True  # biases in projections and LayerNorms; nanoGPT's recipes set false
+    tie_embeddings: bool = False  # the head is the token embedding's weight (nanoGPT, GPT-2)

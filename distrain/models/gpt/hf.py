@@ -1,7 +1,7 @@
 """Conversion between :class:`~distrain.models.gpt.model.GPT` and Hugging Face ``GPT2LMHeadModel``.
 
 The GPT family is GPT-2's architecture exactly when GPT-2 is configured with the exact (erf) GELU
-(``activation_function="gelu"``, where GPT-2's own default is the tanh approximation) and an untied head: learned
+(``activation_function="gelu"``, where GPT-2's own default is the tanh approximation), with biases: learned
 positions, pre-norm LayerNorm (eps 1e-5) blocks, biased q/k/v/o and MLP projections, attention scaled by
 ``1/sqrt(head_dim)``, a final LayerNorm and a bias-free head. GPT-2 stores its projections as ``Conv1D`` weights
 of shape (in, out), ours are ``nn.Linear`` (out, in), and it fuses q, k and v into one ``c_attn``: the state-dict
@@ -98,9 +98,14 @@ def from_hf(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def hf_config(model: GPT) -> Any:
-    """The ``transformers.GPT2Config`` describing ``model`` (exact GELU, untied head, dropout as trained)."""
+    """The ``transformers.GPT2Config`` describing ``model`` (exact GELU, its head tied or not, dropout as trained);
+    ValueError for a model without biases, which GPT-2 always has."""
     from transformers import GPT2Config
 
+    if not model.bias:
+        raise ValueError(
+            "a GPT with model.bias=false has no GPT-2 counterpart (GPT-2 has biases); use the default format"
+        )
     dropout = float(model.dropout)
     return GPT2Config(
         vocab_size=model.vocab_size,
@@ -114,7 +119,7 @@ def hf_config(model: GPT) -> Any:
         embd_pdrop=dropout,
         attn_pdrop=dropout,
         layer_norm_epsilon=1e-5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=model.tie_embeddings,
         bos_token_id=None,
         eos_token_id=None,
         architectures=["GPT2LMHeadModel"],

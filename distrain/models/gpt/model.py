@@ -1,4 +1,5 @@
-"""A small GPT: token + learned position embeddings, pre-norm blocks, untied output head.
+"""A small GPT: token + learned position embeddings, pre-norm blocks, an output head (tied to the token embedding
+with ``tie_embeddings``), biases in every projection and norm unless ``bias=False`` (nanoGPT's recipes).
 
 Layout chosen for the parallel strategies: blocks live in a ``ModuleDict`` keyed by index so a pipeline stage can
 drop the blocks it does not own without renaming the others, and attention uses separate q/k/v projections whose
@@ -8,6 +9,7 @@ output width may be a tensor-parallel shard (heads are inferred from the local w
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -17,13 +19,13 @@ from distrain.models.gpt.spec import GPT_SPEC
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+    def __init__(self, d_model: int, n_heads: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
         self.head_dim = d_model // n_heads
-        self.wq = nn.Linear(d_model, d_model)
-        self.wk = nn.Linear(d_model, d_model)
-        self.wv = nn.Linear(d_model, d_model)
-        self.wo = nn.Linear(d_model, d_model)
+        self.wq = nn.Linear(d_model, d_model, bias=bias)
+        self.wk = nn.Linear(d_model, d_model, bias=bias)
+        self.wv = nn.Linear(d_model, d_model, bias=bias)
+        self.wo = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,22 +37,22 @@ class CausalSelfAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, d_model: int, hidden: int) -> None:
+    def __init__(self, d_model: int, hidden: int, bias: bool = True) -> None:
         super().__init__()
-        self.w_in = nn.Linear(d_model, hidden)
-        self.w_out = nn.Linear(hidden, d_model)
+        self.w_in = nn.Linear(d_model, hidden, bias=bias)
+        self.w_out = nn.Linear(hidden, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_out(F.gelu(self.w_in(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float) -> None:
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
-        self.attn_norm = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
-        self.mlp_norm = nn.LayerNorm(d_model)
-        self.mlp = FeedForward(d_model, mlp_ratio * d_model)
+        self.attn_norm = nn.LayerNorm(d_model, bias=bias)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout, bias)
+        self.mlp_norm = nn.LayerNorm(d_model, bias=bias)
+        self.mlp = FeedForward(d_model, mlp_ratio * d_model, bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +71,8 @@ class GPT(nn.Module):
         n_heads: attention heads; must divide ``d_model``.
         mlp_ratio: MLP hidden width as a multiple of ``d_model``.
         dropout: dropout on attention and residual branches.
+        bias: biases in the projections and LayerNorms (nanoGPT's recipes turn them off).
+        tie_embeddings: the output head is the token embedding's weight (one tensor, as nanoGPT and GPT-2 do).
     """
 
     parallel_spec = GPT_SPEC
@@ -83,20 +87,27 @@ class GPT(nn.Module):
         n_heads: int,
         mlp_ratio: int = 4,
         dropout: float = 0.0,
+        bias: bool = True,
+        tie_embeddings: bool = False,
     ) -> None:
         super().__init__()
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.d_model, self.n_layers = d_model, n_layers
         self.n_heads, self.mlp_ratio, self.dropout = n_heads, mlp_ratio, dropout
+        self.bias, self.tie_embeddings = bias, tie_embeddings
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_seq_len, d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads, mlp_ratio, dropout) for i in range(n_layers)})
-        self.norm = nn.LayerNorm(d_model)
+        block = partial(Block, d_model, n_heads, mlp_ratio, dropout, bias)
+        self.blocks = nn.ModuleDict({str(i): block() for i in range(n_layers)})
+        self.norm = nn.LayerNorm(d_model, bias=bias)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_embeddings:
+            self.head.weight = self.tok_emb.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # GPT-2 initialisation: residual output projections scaled by depth to keep the stream's variance flat.
+        # named_parameters yields a tied head once (as the embedding), so it is initialised once.
         for name, param in self.named_parameters():
             if param.dim() < 2:
                 continue

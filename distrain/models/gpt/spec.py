@@ -33,6 +33,18 @@ def tensor_problem(model: nn.Module, degree: int, split_head: bool) -> ConfigPro
         return ConfigProblem("model.n_heads", model.n_heads, f"a multiple of the {degree} tensor-parallel ranks (tp)")
     if model.mlp_ratio * model.d_model % degree:
         return ConfigProblem("model.mlp_ratio", model.mlp_ratio, f"mlp_ratio x d_model divisible by {degree} ranks")
+    if split_head and model.tie_embeddings:
+        return ConfigProblem(
+            "model.tie_embeddings",
+            True,
+            "false with loss_parallel or sequence_parallel (they split the head, not the embedding)",
+        )
+    return None
+
+
+def pipeline_problem(model: nn.Module) -> str | None:
+    if model.tie_embeddings:
+        return "model.tie_embeddings=true puts one weight in the first and the last stage; set it false"
     return None
 
 
@@ -46,8 +58,9 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per matmul weight plus attention scores and values (PaLM appendix B)."""
-    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "emb" not in n)
+    """Training FLOPs per token: 6 per matmul weight plus attention scores and values (PaLM appendix B). Counted by
+    module, so a head tied to the embedding (one parameter, named as the embedding) still counts."""
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     return 6.0 * matmul + 12.0 * model.n_layers * model.d_model * seq_len
 
 
@@ -60,6 +73,7 @@ GPT_SPEC = ModelSpec(
     tensor_plan=tensor_plan,
     tensor_options=("sequence_parallel", "loss_parallel"),
     tensor_problem=tensor_problem,
+    pipeline_problem=pipeline_problem,
     flops_per_token=flops_per_token,
     check_config=check_config,
     hf=HFCounterpart(to_hf, from_hf, hf_config),
