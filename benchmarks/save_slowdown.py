@@ -61,9 +61,11 @@ def step_times(layout: str, steps: int, workdir: Path) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
+    if args.steps < 6 * SKIPPED:
+        parser.error(f"--steps must be >= {6 * SKIPPED}: the medians leave out {SKIPPED} steps at each edge")
     rows = [
         "| layout | step before the save (ms) | step after the save (ms) | after / before |",
         "|---|---|---|---|",

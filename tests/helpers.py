@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -254,3 +255,16 @@ def train_steps(cfg_dicts: list[dict[str, Any]], steps: int, checkpoint_at: int 
     finally:
         leave()
     return results
+
+
+def nanogpt_char_dataset(directory: Path, text: str) -> Path:
+    """What nanoGPT's shakespeare_char/prepare.py writes: uint16 character ids in train.bin/val.bin, meta.pkl."""
+    directory.mkdir()
+    chars = sorted(set(text))
+    stoi, itos = {c: i for i, c in enumerate(chars)}, dict(enumerate(chars))
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    ids[: len(ids) * 9 // 10].tofile(directory / "train.bin")
+    ids[len(ids) * 9 // 10 :].tofile(directory / "val.bin")
+    with open(directory / "meta.pkl", "wb") as file:
+        pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, file)
+    return directory

@@ -1,9 +1,9 @@
 """Inspector of nanoGPT's character-level vocabulary: the ``meta.pkl`` its ``prepare.py`` writes beside
 ``train.bin``/``val.bin`` (``{"vocab_size": n, "itos": {id: char}, "stoi": {char: id}}``).
 
-What it establishes: the file unpickles without running anything (only plain dicts, ints and strings are allowed:
-a pickle naming any class or function is refused, not called), ``stoi`` and ``itos`` map the ids ``0..n-1`` and
-their characters both ways, and ``vocab_size``, when present, is ``n``.
+What it establishes: the file unpickles without running anything (a pickle naming any class or function is
+refused, not called: only builtin values are read), ``itos`` maps the ids ``0..n-1`` to ``n`` distinct single
+characters, ``stoi`` is its inverse, and ``vocab_size``, when present, is ``n``.
 """
 
 from __future__ import annotations
@@ -71,8 +71,12 @@ def inspect_char_vocab(path: str | Path) -> CharVocab:
     if not isinstance(itos, dict) or not isinstance(meta.get("stoi"), dict):
         raise ArtifactError(str(file), "not a nanoGPT meta.pkl: a dict with itos and stoi (id <-> character) is")
     size = len(itos)
-    if sorted(itos) != list(range(size)) or not all(isinstance(c, str) for c in itos.values()):
-        raise ArtifactError(str(file), f"its itos maps {size} entries, not the ids 0..{size - 1} to characters")
+    ids_ok = all(type(index) is int for index in itos) and sorted(itos) == list(range(size))
+    chars_ok = all(isinstance(c, str) and len(c) == 1 for c in itos.values()) and len(set(itos.values())) == size
+    if not (ids_ok and chars_ok):
+        raise ArtifactError(
+            str(file), f"its itos maps {size} entries, not the ids 0..{size - 1} to {size} distinct characters"
+        )
     if meta["stoi"] != {char: index for index, char in itos.items()}:
         raise ArtifactError(str(file), "its stoi is not the inverse of its itos")
     if meta.get("vocab_size", size) != size:

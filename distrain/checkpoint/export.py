@@ -37,6 +37,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from distrain.artifacts.char_vocab import FILE as CHAR_VOCAB
+from distrain.artifacts.char_vocab import is_char_vocab
 from distrain.artifacts.checkpoint import inspect_checkpoint
 from distrain.artifacts.outputs import check_writable
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
@@ -63,7 +65,7 @@ TOKENIZER_FILES = (
 
 
 # Every name an hf export writes: a directory holding another name is not replaced.
-EXPORT_FILES = {EXPORT_MARK, "model.safetensors", "config.json", "generation_config.json", *TOKENIZER_FILES}
+EXPORT_FILES = {EXPORT_MARK, "model.safetensors", "config.json", "generation_config.json", *TOKENIZER_FILES, CHAR_VOCAB}
 
 
 def _dcp_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -223,7 +225,8 @@ def data_tokenizer_file(run_cfg: DictConfig) -> Path | None:
 
 def write_data_tokenizer(tokenizer_file: Path, dataset: str, out: Path) -> None:
     """The dataset's ``tokenizer.json`` and a ``tokenizer_config.json`` naming its end-of-document token, which is
-    what ``AutoTokenizer.from_pretrained(out)`` reads."""
+    what ``AutoTokenizer.from_pretrained(out)`` reads. A nanoGPT dataset's character-level ``meta.pkl`` is no
+    ``tokenizers`` file: it is copied as it is, beside the weights, for nanoGPT's ``sample.py``."""
     import json
 
     from tokenizers import Tokenizer
@@ -231,6 +234,9 @@ def write_data_tokenizer(tokenizer_file: Path, dataset: str, out: Path) -> None:
     from distrain.data.token_format import read_index
     from distrain.data.tokens import dataset_directory
 
+    if is_char_vocab(tokenizer_file):
+        shutil.copy2(tokenizer_file, out / CHAR_VOCAB)
+        return
     shutil.copy2(tokenizer_file, out / "tokenizer.json")
     eos_id = read_index(dataset_directory(dataset), "train").eos_id
     eos = Tokenizer.from_file(str(tokenizer_file)).id_to_token(eos_id) if eos_id is not None else None

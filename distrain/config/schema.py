@@ -230,7 +230,7 @@ class MonitorConfig:
     """Per-step measurements (distrain/monitor/); written with every logged step."""
 
     straggler_threshold: float = 0.5  # name the busiest rank when it exceeds the median of the others by this fraction
-    peak_flops: float | None = None  # one device's peak FLOP/s for MFU; None: GPU table, or measured on CPU
+    peak_flops: float | None = None  # one device's peak FLOP/s for MFU; None: GPU table (no MFU on CPU)
     profile_start_step: int = 3  # with profile=true: first traced step
     profile_steps: int = 3  # with profile=true: number of traced steps
 

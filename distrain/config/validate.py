@@ -208,7 +208,12 @@ def _validate_training(cfg: DictConfig) -> None:
         check(cfg, "optimizer.eps", positive, "a number > 0")
 
     check(cfg, "monitor.straggler_threshold", positive, "a fraction > 0 (0.5: 50% slower than the median)")
-    check(cfg, "monitor.peak_flops", lambda v: v is None or v > 0, "FLOP/s > 0, or null (measured)")
+    check(
+        cfg,
+        "monitor.peak_flops",
+        lambda v: v is None or v > 0,
+        "FLOP/s > 0, or null (a GPU's datasheet peak; none on CPU)",
+    )
     check(cfg, "monitor.profile_start_step", at_least(0), "an integer >= 0")
     check(cfg, "monitor.profile_steps", at_least(1), "an integer >= 1")
 

@@ -19,10 +19,12 @@ An index (one per split) is a small JSON object::
 can memory-map it (``np.memmap(path, dtype)``), while distrain's reader uses positioned reads. Documents are split
 into train and validation whole (a fixed seed picks them), each followed by the end-of-document id ``eos_id``; a
 shard may end inside a document. nanoGPT's ``train.bin``/``val.bin`` (uint16, no index) are read as one-shard splits
-whose vocabulary is their largest id + 1 and whose checksum is not known. Index and shards are written to temporary
-names and renamed when complete, shards first and the index last, so a reader never sees a split whose index names a
-half-written shard. A shard's CRC-32 is what start-up checks (it finds the accidental change, a truncated or
-damaged copy, at twice SHA-256's speed); its SHA-256 identifies it (and is checked when an index has no CRC-32).
+whose checksum is not known and whose vocabulary is their largest id + 1, or, with nanoGPT's character-level
+``meta.pkl`` beside them, its characters' (the index then names ``meta.pkl`` as the file the ids came from). Index
+and shards are written to temporary names and renamed when complete, shards first and the index last, so a reader
+never sees a split whose index names a half-written shard. A shard's CRC-32 is what start-up checks (it finds the
+accidental change, a truncated or damaged copy, at twice SHA-256's speed); its SHA-256 identifies it (and is checked
+when an index has no CRC-32).
 """
 
 from __future__ import annotations

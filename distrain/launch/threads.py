@@ -13,34 +13,38 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 
 
 @functools.cache
-def _loaded_library(name: str) -> ctypes.CDLL | None:
-    """The shared library this process already loaded whose file name starts with ``name`` (Linux), or None."""
+def _torch_cpu() -> ctypes.CDLL | None:
+    """torch's own CPU library; a symbol looked up through it resolves in the libraries it links (its OpenMP runtime
+    and MKL), not in another copy some other package loaded. None where there is none to open."""
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/" in line}
-    except OSError:  # not Linux: torch's default behaviour stays
+        return ctypes.CDLL(str(path)) if path.is_file() else None
+    except OSError:
         return None
-    found = sorted(path for path in paths if path.rsplit("/", 1)[-1].startswith(name))
-    return ctypes.CDLL(found[0]) if found else None
 
 
 def use_intra_op_threads(threads: int) -> None:
-    """Run this thread's parallel ATen loops on ``threads`` threads and those of threads started later serially.
+    """Run this thread's parallel ATen loops on ``threads`` threads, and those of every thread that starts its
+    first parallel loop later (gloo's workers, the comm hooks' and data prefetch threads, an asynchronous save's
+    writer) on one: ranks share the machine's cores, which the training thread already uses.
 
-    Where the OpenMP runtime is not libgomp loaded from a file (macOS, Windows), this is ``torch.set_num_threads``.
+    Where torch's library or its OpenMP entry cannot be reached (not Linux), or the training thread would not keep
+    its ``threads``, this is ``torch.set_num_threads(threads)``.
     """
     torch.set_num_threads(threads)
     torch.get_num_threads()  # this thread takes its settings now (once per thread), before the default changes
-    gomp = _loaded_library("libgomp")
-    if threads == 1 or gomp is None:
+    library = _torch_cpu()
+    if threads == 1 or library is None or not hasattr(library, "omp_set_num_threads"):
         return
     torch.set_num_threads(1)  # the default a thread takes at its first parallel loop
-    gomp.omp_set_num_threads(threads)  # ... while this thread's own OpenMP setting stays
-    torch_cpu = _loaded_library("libtorch_cpu")
-    if torch_cpu is not None and hasattr(torch_cpu, "MKL_Set_Num_Threads_Local"):  # MKL's C entry (int argument)
-        torch_cpu.MKL_Set_Num_Threads_Local(threads)  # and MKL's, which torch.set_num_threads also sets per thread
+    library.omp_set_num_threads(threads)  # ... while this thread's own OpenMP setting stays
+    if hasattr(library, "MKL_Set_Num_Threads_Local"):  # MKL's C entry (an int argument), per thread as torch sets it
+        library.MKL_Set_Num_Threads_Local(threads)
+    if torch.get_num_threads() != threads:  # another OpenMP runtime answered: keep torch's own behaviour
+        torch.set_num_threads(threads)

@@ -206,8 +206,8 @@ def _start_id(cfg: DictConfig, tokenizer: Any) -> int:
         eos = read_index(dataset_directory(cfg.data.path), "train").eos_id
         if eos is not None:
             return eos
-    if isinstance(tokenizer, CharVocab) and "\n" in tokenizer.itos:
-        return tokenizer.itos.index("\n")
+    if isinstance(tokenizer, CharVocab):  # a newline where the vocabulary has one, else its first character
+        return tokenizer.itos.index("\n") if "\n" in tokenizer.itos else 0
     return ord("\n")
 
 

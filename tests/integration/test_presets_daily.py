@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import CONF_DIR, REPO, compose_config, run_train, write_token_dataset
+from helpers import CONF_DIR, REPO, compose_config, nanogpt_char_dataset, run_train, write_token_dataset
 from omegaconf import OmegaConf
 
 from distrain.config.overrides import composition_error, quote_group_options
@@ -107,6 +107,8 @@ def test_a_gpu_recipe_fits_its_target_in_a_dry_run(name, tmp_path):
 def test_a_cpu_recipe_trains_for_real_under_debug_fast(name, tmp_path):
     cfg = compose_config([f"experiment={name}"])
     extra = ["comm.start_iter=2"] if cfg.comm.name == "powersgd" else []  # compress within debug=fast's 5 steps
+    if "path" in cfg.data.keys():  # data=tokens: nanoGPT's character-level output, as the recipe reads it
+        extra.append(f"data.path={nanogpt_char_dataset(tmp_path / 'data', (REPO / 'README.md').read_text())}")
     summary, records = finished_run([f"experiment={name}", "debug=fast", *extra], tmp_path)
     assert summary["steps"] == 5 and len(records) == 5 and summary["parallelism"] == cfg.parallelism.name
     if cfg.comm.name == "powersgd":

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import REPO, run_train, write_token_dataset
+from helpers import REPO, nanogpt_char_dataset, run_train, write_token_dataset
 from omegaconf import OmegaConf
 
 STDLIB_BYTES = np.frombuffer((REPO / "distrain" / "config" / "validate.py").read_bytes() * 8, dtype=np.uint8)
@@ -58,24 +58,12 @@ def test_nanogpt_bins_train_with_the_vocabulary_of_the_data(tmp_path):
     assert OmegaConf.load(tmp_path / "run2" / "checkpoints" / "step_00000002" / "config.yaml").model.vocab_size == 1024
 
 
-def nanogpt_char_dataset(directory, text):
-    """What nanoGPT's shakespeare_char/prepare.py writes: uint16 character ids in train.bin/val.bin, meta.pkl."""
-    directory.mkdir()
-    chars = sorted(set(text))
-    stoi, itos = {c: i for i, c in enumerate(chars)}, dict(enumerate(chars))
-    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
-    ids[: len(ids) * 9 // 10].tofile(directory / "train.bin")
-    ids[len(ids) * 9 // 10 :].tofile(directory / "val.bin")
-    with open(directory / "meta.pkl", "wb") as file:
-        pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, file)
-    return chars
-
-
 def test_nanogpt_char_data_trains_and_generates_with_its_meta_pkl(tmp_path):
     """meta.pkl gives the vocabulary (not the largest id + 1) and decodes generate's ids; a meta.pkl that would run
     code, or maps fewer characters than the bins use, is one line before any rank starts."""
     text = (REPO / "distrain" / "config" / "validate.py").read_text() * 4
-    chars = nanogpt_char_dataset(tmp_path / "char", text)
+    nanogpt_char_dataset(tmp_path / "char", text)
+    chars = sorted(set(text))
     args = [*COMMON, f"data.path={tmp_path / 'char'}", "trainer.max_steps=2", "checkpoint.every_n_steps=2"]
     done = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], REPO)
     assert done.returncode == 0, done.stderr[-2000:]
