@@ -60,7 +60,7 @@ def inspect_char_vocab(path: str | Path) -> CharVocab:
     """The vocabulary in the ``meta.pkl`` at ``path`` (or in the directory ``path``); ``ArtifactError`` naming the
     file and what is wrong with it."""
     path = Path(path).expanduser()
-    file = path / FILE if path.is_dir() else path
+    file = path / FILE if path.is_dir() and path.name != FILE else path  # a directory named meta.pkl: unreadable
     try:
         meta = _PlainData(io.BytesIO(file.read_bytes())).load()
     except OSError as err:
@@ -69,7 +69,7 @@ def inspect_char_vocab(path: str | Path) -> CharVocab:
         raise ArtifactError(str(file), f"not a nanoGPT meta.pkl: {err}") from None
     itos = meta.get("itos") if isinstance(meta, dict) else None
     if not isinstance(itos, dict) or not isinstance(meta.get("stoi"), dict):
-        raise ArtifactError(str(file), "not a nanoGPT meta.pkl: a dict with itos and stoi (id <-> character) is")
+        raise ArtifactError(str(file), "not a nanoGPT meta.pkl (a dict with itos and stoi: id <-> character)")
     size = len(itos)
     ids_ok = all(type(index) is int for index in itos) and sorted(itos) == list(range(size))
     chars_ok = all(isinstance(c, str) and len(c) == 1 for c in itos.values()) and len(set(itos.values())) == size

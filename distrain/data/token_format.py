@@ -233,7 +233,7 @@ def _nanogpt_index(directory: Path, split: str) -> SplitIndex:
     largest = _largest_of(tuple(str(b) for b in bins), tuple((b.stat().st_size, b.stat().st_mtime_ns) for b in bins))
     shard = Shard(file=path.name, tokens=size // 2, sha256=None)
     tokenizer, vocab_size = None, largest + 1
-    if (directory / CHAR_VOCAB).is_file():
+    if (directory / CHAR_VOCAB).exists() or (directory / CHAR_VOCAB).is_symlink():  # a bad one is refused, not skipped
         try:
             tokenizer, vocab_size = CHAR_VOCAB, inspect_char_vocab(directory / CHAR_VOCAB).vocab_size
         except ArtifactError as err:

@@ -108,13 +108,15 @@ def sample(
     temperature: float,
     top_k: int | None,
     generator: torch.Generator,
+    decodable: int | None = None,
 ) -> list[int]:
     """``max_new_tokens`` ids after ``prompt``, each drawn from the model's next-token distribution (temperature,
-    then the ``top_k`` most likely; temperature 0: the most likely), the input cropped to the last ``context``."""
+    then the ``top_k`` most likely; temperature 0: the most likely), the input cropped to the last ``context``.
+    ``decodable``: only ids below it are drawn (a model whose vocabulary is padded beyond its tokenizer's)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -context:])[:, -1, :].float().cpu()
+        logits = model(ids[:, -context:])[:, -1, :decodable].float().cpu()
         if temperature == 0:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -193,6 +195,7 @@ def _generate(model: torch.nn.Module, cfg: DictConfig, tokenizer: Any, args: arg
         temperature=args.temperature,
         top_k=args.top_k or None,
         generator=torch.Generator().manual_seed(args.seed),
+        decodable=tokenizer.vocab_size if isinstance(tokenizer, CharVocab) else None,
     )
     return tokenizer.decode(new_ids)
 

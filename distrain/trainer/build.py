@@ -127,9 +127,7 @@ def _peak_flops(env: DistEnv, compute_dtype: torch.dtype, configured: float | No
     """One device's peak FLOP/s for MFU; None (said once, on rank 0) where it is unknown: CPUs, unlisted GPUs."""
     peak = peak_flops_per_device(env.device, compute_dtype, configured)
     if peak is None and env.is_main:
-        log.info(
-            "mfu: not reported, the peak FLOP/s of a %s device is unknown (set monitor.peak_flops)", env.device.type
-        )
+        log.info("mfu: not reported, the peak FLOP/s of this %s is unknown (set monitor.peak_flops)", env.device.type)
     return peak
 
 

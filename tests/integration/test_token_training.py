@@ -74,9 +74,19 @@ def test_nanogpt_char_data_trains_and_generates_with_its_meta_pkl(tmp_path):
     assert sampled.returncode == 0, sampled.stderr
     assert sampled.stdout.startswith("def ") and set(sampled.stdout) <= {*chars, "\n"}
     assert len(sampled.stdout) == len("def ") + 30 + 1  # one character per id, and print's newline
+    padded = run_train([*args, "model.vocab_size=128", f"hydra.run.dir={tmp_path / 'padded'}"], REPO)
+    assert padded.returncode == 0, padded.stderr[-2000:]  # nanoGPT's habit: a vocabulary padded past meta.pkl's
+    generate_padded = [*generate[:3], str(tmp_path / "padded"), "--max-new-tokens", "200", "--temperature", "2"]
+    sampled = subprocess.run(generate_padded, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0 and set(sampled.stdout) <= {*chars, "\n"}, sampled.stderr  # only decodable ids
     unknown = subprocess.run([*generate, "--prompt", "\u00e9"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and "is not in this vocabulary" in unknown.stderr, unknown.stderr
 
+    (tmp_path / "char" / "meta.pkl").unlink()
+    (tmp_path / "char" / "meta.pkl").mkdir()  # not a file: refused, not taken for absent
+    refused = run_train([*args, f"hydra.run.dir={tmp_path / 'dir'}"], REPO)
+    assert refused.returncode == 2 and "meta.pkl: unreadable" in refused.stderr, refused.stderr
+    (tmp_path / "char" / "meta.pkl").rmdir()
     (tmp_path / "char" / "meta.pkl").write_bytes(pickle.dumps({"stoi": {}, "itos": {}, "run": print}))
     refused = run_train([*args, f"hydra.run.dir={tmp_path / 'bad'}"], REPO)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
