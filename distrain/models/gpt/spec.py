@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from distrain.config.checks import at_least, check
+from distrain.models.common.spec import tied_head_problem, tied_pipeline_problem
 from distrain.models.gpt.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ConfigProblem, HFCounterpart, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
@@ -33,19 +34,7 @@ def tensor_problem(model: nn.Module, degree: int, split_head: bool) -> ConfigPro
         return ConfigProblem("model.n_heads", model.n_heads, f"a multiple of the {degree} tensor-parallel ranks (tp)")
     if model.mlp_ratio * model.d_model % degree:
         return ConfigProblem("model.mlp_ratio", model.mlp_ratio, f"mlp_ratio x d_model divisible by {degree} ranks")
-    if split_head and model.tie_embeddings:
-        return ConfigProblem(
-            "model.tie_embeddings",
-            True,
-            "false with loss_parallel or sequence_parallel (they split the head, not the embedding)",
-        )
-    return None
-
-
-def pipeline_problem(model: nn.Module) -> str | None:
-    if model.tie_embeddings:
-        return "model.tie_embeddings=true puts one weight in the first and the last stage; set it false"
-    return None
+    return tied_head_problem(model, split_head)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -73,7 +62,7 @@ GPT_SPEC = ModelSpec(
     tensor_plan=tensor_plan,
     tensor_options=("sequence_parallel", "loss_parallel"),
     tensor_problem=tensor_problem,
-    pipeline_problem=pipeline_problem,
+    pipeline_problem=tied_pipeline_problem,
     flops_per_token=flops_per_token,
     check_config=check_config,
     hf=HFCounterpart(to_hf, from_hf, hf_config),

@@ -12,7 +12,12 @@ from torch import nn
 
 from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.errors import ArtifactError
-from distrain.models.common.spec import DECODER_MODULES, enable_context_parallel
+from distrain.models.common.spec import (
+    DECODER_MODULES,
+    enable_context_parallel,
+    tied_head_problem,
+    tied_pipeline_problem,
+)
 from distrain.models.llama.hf import from_hf, hf_config, to_hf
 from distrain.models.spec import ConfigProblem, HFCounterpart, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
@@ -39,19 +44,7 @@ def tensor_problem(model: nn.Module, degree: int, split_head: bool) -> ConfigPro
             return ConfigProblem(
                 f"model.{key}", getattr(model, key), f"a multiple of the {degree} tensor-parallel ranks"
             )
-    if split_head and model.tie_embeddings:
-        return ConfigProblem(
-            "model.tie_embeddings",
-            True,
-            "false with loss_parallel or sequence_parallel (they split the head, not the embedding)",
-        )
-    return None
-
-
-def pipeline_problem(model: nn.Module) -> str | None:
-    if model.tie_embeddings:
-        return "model.tie_embeddings=true puts one weight in the first and the last stage; set it false"
-    return None
+    return tied_head_problem(model, split_head)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -142,7 +135,7 @@ LLAMA_SPEC = ModelSpec(
     tensor_plan=tensor_plan,
     tensor_options=("sequence_parallel", "loss_parallel"),
     tensor_problem=tensor_problem,
-    pipeline_problem=pipeline_problem,
+    pipeline_problem=tied_pipeline_problem,
     flops_per_token=flops_per_token,
     check_config=check_config,
     hf=HFCounterpart(to_hf, from_hf, hf_config),
