@@ -152,8 +152,12 @@ def worker_pool(workers: int, json_text: str, eos_id: int, dtype: str) -> Iterat
     try:
         yield pool
     except BaseException as err:
-        # Python 3.11 has no public way to stop running workers (3.14's terminate_workers); _processes it is.
+        # Python 3.11 has no public way to stop running workers (3.14's terminate_workers): _processes it is, plus
+        # a worker whose start a Ctrl-C interrupted (delivered as start() unblocks SIGINT, before the pool recorded
+        # it). Left alive, that one would wait for work forever, and interpreter exit waits for it.
         processes = list((pool._processes or {}).values())
+        processes += [child for child in multiprocessing.active_children() if isinstance(child, _WorkerProcess)]
+        processes = list({id(process): process for process in processes}.values())
         for process in processes:
             process.terminate()
         # With every worker gone the pool's manager thread finds them dead and ends: this wait is short.

@@ -5,6 +5,7 @@ output directory that is also the input never read back, one-line refusals, inte
 index naming a missing or partial shard, and Ctrl-C or a dead worker ending the run at once (subprocesses)."""
 
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ import distrain.data.prepare_output as prepare_output
 from distrain.data.prepare import main, prepare
 from distrain.data.prepare_output import ShardWriter
 from distrain.data.token_format import SPLITS, DataError, dtype_for, read_index, verify_split
-from distrain.data.tokenizer_files import train_bpe, worker_pool
+from distrain.data.tokenizer_files import _WorkerProcess, train_bpe, worker_pool
 
 PLAIN = {
     "a.txt": "Hello, world.\nnaïve café — ünïcode 😀 and\ttabs\n\n  leading spaces",
@@ -614,6 +615,24 @@ def test_workers_ignore_sigint_from_birth_and_are_stopped_by_the_main_process():
         processes = list(pool._processes.values()) if pool.submit(int).result() == 0 else []
         raise KeyboardInterrupt
     assert processes and all(process.exitcode is not None for process in processes)
+
+
+def test_a_worker_whose_start_a_ctrl_c_interrupted_is_stopped_too(monkeypatch):
+    """A Ctrl-C that arrives while a worker starts is delivered as its start returns, before the pool records it:
+    that worker must be stopped with the others (left alive it waits for work forever, and so does the exit)."""
+    tokenizer = train_bpe([DOCUMENTS], vocab_size=300, eos_token="<|endoftext|>", min_frequency=1, progress=False)
+    start = _WorkerProcess.start
+
+    def interrupted_start(process: _WorkerProcess) -> None:
+        start(process)
+        raise KeyboardInterrupt  # where a Ctrl-C held back while the child was started is delivered
+
+    with pytest.raises(KeyboardInterrupt), worker_pool(1, tokenizer.to_str(), 0, "uint16") as pool:
+        monkeypatch.setattr(_WorkerProcess, "start", interrupted_start)
+        pool.submit(int)
+    monkeypatch.undo()
+    left = [child for child in multiprocessing.active_children() if isinstance(child, _WorkerProcess)]
+    assert not left, left
 
 
 def test_a_first_run_interrupted_while_publishing_is_replaced_without_overwrite(tmp_path, monkeypatch):
