@@ -15,6 +15,11 @@ Ratios are to the minimal loop. Needs ``pip install -e ".[bench]"`` (Lightning a
 
     python benchmarks/peers.py                                    # 2 ranks, 200 steps
     python benchmarks/peers.py --steps 200 --out-dir benchmarks/results
+    python benchmarks/peers.py --nanogpt nanoGPT --out-dir benchmarks/results    # also nanoGPT on its own recipe
+
+With ``--nanogpt DIR`` (a nanoGPT checkout with its shakespeare-char data prepared) a second table compares
+nanoGPT's ``train.py`` on its CPU recipe with ``train.py experiment=nanogpt_shakespeare_char``, alternating the two
+(``benchmarks/peer_nanogpt.py``). The tables note the machine's load average at the end of the invocation.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ from common import REPO, metrics, publish
 MODEL = {"vocab_size": 256, "max_seq_len": 128, "d_model": 128, "n_layers": 4, "n_heads": 4}
 MICRO_BATCH, SEQ_LEN, WARMUP_STEPS, LAST = 8, 128, 10, 10
 PEERS = ("minimal", "lightning", "accelerate")
+LABELS = {
+    "minimal": "minimal PyTorch DDP loop",
+    "lightning": "PyTorch Lightning (Trainer, strategy=ddp)",
+    "accelerate": "Hugging Face Accelerate (torchrun)",
+    "distrain": "distrain (python train.py)",
+}
 
 
 def run_peer(name: str, world: int, steps: int, out: Path) -> dict:
@@ -79,6 +90,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out-dir", type=Path, default=None, help="write peers.md and peers.png here")
+    parser.add_argument("--nanogpt", type=Path, default=None, help="a nanoGPT checkout: also compare with it")
+    parser.add_argument("--nanogpt-steps", type=int, default=2000, help="iterations of nanoGPT's recipe")
+    parser.add_argument("--nanogpt-repeats", type=int, default=2, help="alternating runs of each program")
     parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -92,20 +106,30 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    results = {}
+    results, nanogpt = {}, None
     with tempfile.TemporaryDirectory() as tmp:
+        if args.nanogpt is not None:  # first: a checkout without its data is refused before the long runs
+            from peer_nanogpt import compare
+
+            nanogpt = compare(args.nanogpt, args.nanogpt_steps, args.nanogpt_repeats, Path(tmp))
         for name in PEERS:
             results[name] = run_peer(name, args.world_size, args.steps, Path(tmp) / f"{name}.json")
             print(name, results[name], flush=True)
         results["distrain"] = run_distrain(args.world_size, args.steps, Path(tmp) / "distrain")
         print("distrain", results["distrain"], flush=True)
-    minimal = results["minimal"]
-    labels = {
-        "minimal": "minimal PyTorch DDP loop",
-        "lightning": "PyTorch Lightning (Trainer, strategy=ddp)",
-        "accelerate": "Hugging Face Accelerate (torchrun)",
-        "distrain": "distrain (python train.py)",
-    }
+    title, rows = default_job_table(results, args.world_size, args.steps)
+    if nanogpt is not None:
+        from peer_nanogpt import table
+
+        nanogpt_title, nanogpt_rows = table(nanogpt, args.nanogpt_steps)
+        rows += ["", nanogpt_title, "", *nanogpt_rows]
+    rows += ["", f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} at the end of the invocation."]
+    bars = {LABELS[name].split(" (")[0]: r["step_time_s"] for name, r in results.items()}
+    publish(title, rows, args.out_dir, "peers", bars=(bars, "step time (s)"))
+
+
+def default_job_table(results: dict[str, dict], world: int, steps: int) -> tuple[str, list[str]]:
+    minimal, labels = results["minimal"], LABELS
     header = "| framework | start-up (s) | vs minimal | step (s) | vs minimal | final loss |"
     rows = [header, "|---|---|---|---|---|---|"]
     for name, r in results.items():
@@ -113,9 +137,7 @@ def main() -> None:
             f"| {labels[name]} | {r['startup_s']:.2f} | {r['startup_s'] / minimal['startup_s']:.2f}x"
             f" | {r['step_time_s']:.4f} | {r['step_time_s'] / minimal['step_time_s']:.2f}x | {r['final_loss']:.3f} |"
         )
-    title = f"gpt_tiny, {args.world_size} CPU ranks (gloo), {args.steps} steps, AdamW, one invocation"
-    bars = {labels[name].split(" (")[0]: r["step_time_s"] for name, r in results.items()}
-    publish(title, rows, args.out_dir, "peers", bars=(bars, "step time (s)"))
+    return f"gpt_tiny, {world} CPU ranks (gloo), {steps} steps, AdamW, one invocation", rows
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """What every test shares: the marks its folder gives it (``distributed/``: real gloo ranks; ``integration/``:
 ``train.py`` or a tool in a subprocess; ``unit/``: neither), so ``pytest -m "not distributed and not integration"``
-is the fast subset; how tests share pytest-xdist's workers; and the session's tiny Hugging Face Llama, saved once per
-worker and only read by the tests using it."""
+is the fast subset; and the session's tiny Hugging Face Llama, saved once and only read by the tests using it.
+
+pyproject runs the suite on two pytest-xdist workers with ``--dist loadscope``: a module's tests run together on
+one worker, so a module-scoped fixture (a prepared run, a warm interpreter) is made once and the SLURM tests share
+the two-node cluster one at a time. Session fixtures are made once per worker."""
 
 from __future__ import annotations
 
@@ -13,25 +16,11 @@ from helpers import save_tiny_hf_llama
 FOLDER_MARKS = {"distributed": pytest.mark.distributed, "integration": pytest.mark.integration}
 
 
-# Modules whose tests run one after another on one pytest-xdist worker: the SLURM tests share the two-node cluster.
-SERIAL_MODULES = {"test_slurm"}
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         mark = FOLDER_MARKS.get(item.path.parent.name)
         if mark is not None:
             item.add_marker(mark)
-        if item.path.stem in SERIAL_MODULES or uses_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
-
-
-def uses_module_fixture(item: pytest.Item) -> bool:
-    """Whether the test uses a fixture made once per module (a prepared run, a warm interpreter): under pytest -n
-    (pyproject's default) such tests go to one worker together (``--dist loadgroup``), so the fixture is made once."""
-    info = getattr(item, "_fixtureinfo", None)
-    definitions = info.name2fixturedefs.values() if info is not None else ()
-    return any(chain[-1].scope in ("module", "class", "package") for chain in definitions if chain)
 
 
 @pytest.fixture(scope="session")

@@ -27,9 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint.api import CheckpointException
 
-from distrain.checkpoint.data_only import load_tensors_and_values
 from distrain.checkpoint.steps import (
     checkpoint_problem,
     newest_valid,
@@ -184,6 +182,8 @@ class Checkpointer:
         Collective: every rank must call it (the strategy's writer plans globally). With ``async_save`` and
         ``blocking=False`` it returns once the state is staged in CPU memory; ``finalize`` makes it visible.
         """
+        from torch.distributed.checkpoint.api import CheckpointException  # DCP's import: at the first save
+
         self.wait_and_finalize()
         final_path = self.dir / f"step_{step:08d}"
         tmp_path = self.dir / f"step_{step:08d}.tmp"
@@ -251,6 +251,8 @@ class Checkpointer:
         """Wait for the pending asynchronous save on this rank, then publish it. Collective (barriers)."""
         if self._pending is None:
             return
+        from torch.distributed.checkpoint.api import CheckpointException
+
         pending, self._pending = self._pending, None
         try:
             pending.writing.result()  # re-raises a failed write: the checkpoint stays a .tmp and is never used
@@ -303,6 +305,8 @@ class Checkpointer:
 
         Collective: every rank must call it.
         """
+        from distrain.checkpoint.data_only import load_tensors_and_values  # imports DCP: only when resuming
+
         loaded = strategy.load_checkpoint(path, extra)
         rng_file = path / f"rng_rank{dist.get_rank()}.pt"
         if rng_file.is_file():

@@ -162,6 +162,8 @@ def worker_pool(workers: int, json_text: str, eos_id: int, dtype: str) -> Iterat
             process.terminate()
         # With every worker gone the pool's manager thread finds them dead and ends: this wait is short.
         pool.shutdown(wait=True, cancel_futures=True)
+        for process in processes:  # the pool joins those it recorded; this also reaps the one it did not
+            process.join(timeout=10)
         if isinstance(err, BrokenProcessPool):
             raise WorkerDied(_how_workers_ended(processes)) from None
         raise

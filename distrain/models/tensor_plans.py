@@ -15,15 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 
-SEQUENCE = Shard(1)  # activations are (batch, sequence, features)
+SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 
 
 @dataclass(frozen=True)
@@ -51,8 +44,14 @@ def decoder_plan(
 ) -> dict[str, object]:
     """The plan for ``model`` (whole, or a pipeline stage holding some blocks and maybe the final norm and head):
     module path -> ``ParallelStyle``."""
+    # Imported here: DTensor's import costs most of a second, which a run without tensor parallelism never pays
+    # (the model families import this module with their specs, and the launcher imports those).
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    sequence = Shard(SEQUENCE_DIM)
     blocks = model.get_submodule(names.blocks)
-    reduced = SEQUENCE if sequence_parallel else Replicate()
+    reduced = sequence if sequence_parallel else Replicate()
     plan: dict[str, object] = {}
     for key in blocks:
         prefix = f"{names.blocks}.{key}"
@@ -60,7 +59,7 @@ def decoder_plan(
         plan |= {f"{prefix}.{name}": RowwiseParallel(output_layouts=reduced) for name in names.row}
         if sequence_parallel:
             gather = PrepareModuleInput(
-                input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_output=True
+                input_layouts=(sequence,), desired_input_layouts=(Replicate(),), use_local_output=True
             )
             plan |= {f"{prefix}.{name}": SequenceParallel() for name in names.norms}
             plan |= {f"{prefix}.{name}": gather for name in names.sublayers}
@@ -68,12 +67,12 @@ def decoder_plan(
     if sequence_parallel:
         first = f"{names.blocks}.{next(iter(blocks))}"
         plan[first] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(SEQUENCE,), use_local_output=True
+            input_layouts=(Replicate(),), desired_input_layouts=(sequence,), use_local_output=True
         )
         plan[names.final_norm] = SequenceParallel()
     if holds_head and (sequence_parallel or loss_parallel):
         plan[names.head] = ColwiseParallel(
-            input_layouts=SEQUENCE if sequence_parallel else Replicate(),
+            input_layouts=sequence if sequence_parallel else Replicate(),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )

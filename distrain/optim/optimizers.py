@@ -11,11 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from distrain.optim.capabilities import OptimizerCapabilities
 from distrain.optim.groups import GroupRules, canonical_name, param_groups
 from distrain.optim.muon import Muon
+from distrain.parallelism.dtensor import is_dtensor
 
 NamedParameters = Iterable[tuple[str, nn.Parameter]]
 
@@ -40,7 +40,7 @@ def _groups(
 def _foreach(groups: list[dict[str, Any]]) -> bool | None:
     """False when tensor-parallel DTensors and plain tensors share the optimizer (its fused multi-tensor kernels,
     the default on GPUs, refuse such a mix); None (torch's default) otherwise."""
-    kinds = {isinstance(p, DTensor) for group in groups for p in group["params"]}
+    kinds = {is_dtensor(p) for group in groups for p in group["params"]}
     return False if len(kinds) > 1 else None
 
 

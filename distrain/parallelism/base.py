@@ -19,13 +19,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, saved_optimizer_key
 from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.errors import RunError
@@ -34,6 +30,7 @@ from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
 from distrain.optim.groups import base_lr
 from distrain.parallelism.capabilities import Capabilities
+from distrain.parallelism.dtensor import full_value, is_dtensor
 from distrain.planning.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
 from distrain.trainer.faults import maybe_inject_fault
@@ -126,7 +123,7 @@ class Strategy(Protocol):
 
 def as_tensor(value: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (a loss computed on sharded logits) as the plain tensor every rank holds."""
-    return value.to_local() if isinstance(value, DTensor) else value
+    return value.to_local() if is_dtensor(value) else value
 
 
 def squared_grad_norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -137,7 +134,7 @@ def squared_grad_norm(grads: Iterable[torch.Tensor], device: torch.device) -> to
     squared = torch.zeros((), device=device, dtype=torch.float32)
     for grad in grads:
         norm = grad.detach().float().norm()
-        squared += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+        squared += full_value(norm) ** 2
     return squared
 
 
@@ -159,7 +156,7 @@ def clip_grad_norm_across_meshes(parameters: Iterable[nn.Parameter], max_norm: f
     norms = []
     for params in groups.values():
         norm = get_total_norm([param.grad for param in params])
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norms.append(full_value(norm))
     total = torch.stack(norms).norm()
     for params in groups.values():
         clip_grads_with_norm_(params, max_norm, total)
@@ -311,7 +308,7 @@ class LocalBackwardStrategy:
             return clip_local_gradients(self.model.parameters(), self.ctx.grad_clip_norm, self.ctx.env.world_size)
         max_norm = self.ctx.grad_clip_norm if self.ctx.grad_clip_norm > 0 else float("inf")
         norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach()
+        return full_value(norm).detach()
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
@@ -339,6 +336,9 @@ class LocalBackwardStrategy:
 
     def _state_dict(self) -> dict[str, Any]:
         # DCP-ready: DDP's "module." prefix removed; FSDP/TP parameters and optimizer state stay sharded DTensors.
+        # DCP is imported at the first save or load, not before the first step (see distrain.parallelism.dtensor).
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {
             "model": model_state,
@@ -348,12 +348,21 @@ class LocalBackwardStrategy:
         }
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+
         dcp.save({**self._state_dict(), "extra": extra}, checkpoint_id=path)
 
     def save_checkpoint_async(self, path: Path, extra: dict[str, Any], process_group: dist.ProcessGroup) -> Future:
+        import torch.distributed.checkpoint as dcp
+
         return dcp.async_save({**self._state_dict(), "extra": extra}, checkpoint_id=path, process_group=process_group)
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, saved_optimizer_key
+
         env = self.ctx.env
         source = self._optimizer_source = saved_optimizer_key(path, self.own_optimizer_key(), env.rank, env.world_size)
         try:

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distrain.checkpoint.data_only import load_dcp_metadata
 from distrain.checkpoint.steps import checkpoint_world_size
 from distrain.parallelism.base import LocalBackwardStrategy, StrategyContext
 from distrain.parallelism.capabilities import Capabilities
@@ -77,6 +76,8 @@ class DDPStrategy(LocalBackwardStrategy):
         """Also restores the comm option's state when the checkpoint has it for this rank and was written by
         the same world size (a residual belongs to one rank's data shard) with the same keys (the same option and
         top-k feedback); otherwise that state starts empty."""
+        from distrain.checkpoint.data_only import load_dcp_metadata  # imports DCP: only when resuming
+
         saved_keys = load_dcp_metadata(path / ".metadata").state_dict_metadata
         # Every key this option keeps must be there: another comm option or top-k feedback saves other keys.
         wanted = {f"comm_rank{self.ctx.env.rank}.{key}" for key in self.ctx.comm.state_dict()}

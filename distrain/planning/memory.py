@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass
 import torch
 from omegaconf import DictConfig
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from distrain.optim.capabilities import optimizer_capabilities
 from distrain.parallelism.capabilities import capabilities_of
+from distrain.parallelism.dtensor import is_dtensor
 from distrain.parallelism.layout import Layout
 
 
@@ -41,7 +41,7 @@ class ModelStateBytes:
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
