@@ -13,8 +13,6 @@ in this repository.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import os
 import statistics
 import time
@@ -22,16 +20,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import publish
+from common import one_process_gpt_parser, publish
+from peer_nanogpt import nanogpt_module
 
 from distrain.models.gpt import GPT
 
 
 def nanogpt_model(checkout: Path, shape: dict[str, int]) -> torch.nn.Module:
     """nanoGPT's ``GPT`` from ``checkout/model.py`` with ``shape``, biases off, dropout 0 (its tied head built in)."""
-    spec = importlib.util.spec_from_file_location("nanogpt_model", checkout / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = nanogpt_module(checkout)
     config = module.GPTConfig(
         block_size=shape["seq_len"], vocab_size=shape["vocab"], n_layer=shape["layers"], n_head=shape["heads"],
         n_embd=shape["d_model"], dropout=0.0, bias=False,
@@ -64,17 +61,14 @@ def timed(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_process_gpt_parser(__doc__)
     parser.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout (its model.py)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=65)
-    parser.add_argument("--steps", type=int, default=50, help="steps per round")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out-dir", type=Path, default=None)
+    # nanoGPT's shakespeare-char CPU recipe; --steps is per round
+    parser.set_defaults(layers=4, d_model=128, seq_len=64, batch=12, steps=50)
     args = parser.parse_args()
     if not (args.nanogpt / "model.py").is_file():
         parser.error(f"--nanogpt {args.nanogpt} is not allowed: a nanoGPT checkout (no model.py there)")

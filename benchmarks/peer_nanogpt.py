@@ -93,11 +93,17 @@ def run_distrain(data: Path, steps: int, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def nanogpt_model(checkout: Path, checkpoint: Path) -> Any:
-    """A callable (inputs, targets) -> mean loss: nanoGPT's model from its ``ckpt.pt`` (its best validation)."""
+def nanogpt_module(checkout: Path) -> Any:
+    """nanoGPT's ``model.py`` from ``checkout``, imported by path (its ``GPT`` and ``GPTConfig``)."""
     spec = importlib.util.spec_from_file_location("nanogpt_model", checkout / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def nanogpt_model(checkout: Path, checkpoint: Path) -> Any:
+    """A callable (inputs, targets) -> mean loss: nanoGPT's model from its ``ckpt.pt`` (its best validation)."""
+    module = nanogpt_module(checkout)
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)  # nanoGPT pickles its config dict
     model = module.GPT(module.GPTConfig(**saved["model_args"]))
     model.load_state_dict({key.removeprefix("_orig_mod."): value for key, value in saved["model"].items()})
