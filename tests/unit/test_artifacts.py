@@ -174,6 +174,8 @@ def test_step_entries_distrain_did_not_write_are_named_and_never_removed(tmp_pat
     (tmp_path / "step_00000004.tmp").mkdir()
     (tmp_path / "step_00000004.tmp" / "rng_rank0.pt").write_bytes(b"x")  # an interrupted save of ours
     (tmp_path / "step_00000006.tmp").mkdir()  # interrupted before any rank wrote
+    (tmp_path / "step_00000010.tmp").mkdir()  # killed while DCP wrote its metadata (it renames the .tmp when done)
+    (tmp_path / "step_00000010.tmp" / ".metadata.tmp").write_bytes(b"x")
     damaged = tmp_path / "step_00000008"  # a save of ours whose manifest was lost: resuming skips it
     (damaged / "deepspeed").mkdir(parents=True)
     for name in ("rng_rank0.pt", "__0_0.distcp", ".metadata", "config.yaml", "zero_to_fp32.py"):
@@ -188,4 +190,5 @@ def test_step_entries_distrain_did_not_write_are_named_and_never_removed(tmp_pat
     assert names == ["step_00000003", "step_00000005.tmp", "step_00000007"]
     remove_partial_saves(tmp_path)
     assert not (tmp_path / "step_00000004.tmp").exists() and not (tmp_path / "step_00000006.tmp").exists()
+    assert not (tmp_path / "step_00000010.tmp").exists()
     assert (tmp_path / "step_00000005.tmp" / "draft.txt").read_text() == "mine"
