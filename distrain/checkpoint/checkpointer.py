@@ -64,29 +64,34 @@ def out_of_space(err: BaseException) -> bool:
     return "No space left on device" in str(err)
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's random number generators as tensors and plain values (saved with ``torch.save``, read back
-    with ``weights_only=True``: no pickled objects)."""
-    version, mt_words, gauss = random.getstate()
-    bit_generator, words, position, has_gauss, cached_gaussian = np.random.get_state()
-    state = {
-        "python": {"version": version, "words": torch.tensor(mt_words, dtype=torch.int64), "gauss": gauss},
-        "numpy": {
-            "bit_generator": bit_generator,
-            "words": torch.from_numpy(words.astype(np.int64)),
-            "position": int(position),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "torch": torch.get_rng_state(),
-    }
+def rng_snapshot() -> dict[str, Any]:
+    """This process's random number generators as their own objects, not converted for a file: taken before every
+    step (what a failed step rolls back to), so half of ``rng_state``'s cost each step matters."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
+def rng_state() -> dict[str, Any]:
+    """This process's random number generators as tensors and plain values (saved with ``torch.save``, read back
+    with ``weights_only=True``: no pickled objects)."""
+    state = rng_snapshot()
+    version, mt_words, gauss = state["python"]
+    bit_generator, words, position, has_gauss, cached_gaussian = state["numpy"]
+    state["python"] = {"version": version, "words": torch.tensor(mt_words, dtype=torch.int64), "gauss": gauss}
+    state["numpy"] = {
+        "bit_generator": bit_generator,
+        "words": torch.from_numpy(words.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
+    return state
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what ``rng_state`` saved (or the tuples that checkpoints written before it held)."""
+    """Restore what ``rng_state`` saved or ``rng_snapshot`` took (the tuples checkpoints written before held)."""
     python, numpy = state["python"], state["numpy"]
     if isinstance(python, dict):
         python = (python["version"], tuple(python["words"].tolist()), python["gauss"])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrain.checkpoint.checkpointer import Checkpointer, rng_state, set_rng_state
+from distrain.checkpoint.checkpointer import Checkpointer, rng_snapshot, set_rng_state
 from distrain.config.schema import TrainerConfig
 from distrain.data.sampler import Batch, TrainBatches
 from distrain.errors import ArtifactError, CheckpointSpaceError
@@ -150,7 +150,7 @@ def train(
     )  # fmt: skip
     window.restart()
     while state.step < settings.max_steps:
-        boundary = _Boundary(state.step, state.tokens_seen, data.state_dict(), rng_state())
+        boundary = _Boundary(state.step, state.tokens_seen, data.state_dict(), rng_snapshot())
         failure: Exception | None = None
         try:
             _step(loop)

@@ -538,7 +538,9 @@ def encode_batch(texts, to_val):
         time.sleep(300)
     return tokenizer_files.encode_batch(texts, to_val)
 """
+# SIGUSR2 prints every thread's stack: what a run that did not end was doing (see finish).
 RUN_WITH_HOOKS = (
+    "import faulthandler, signal; faulthandler.register(signal.SIGUSR2, all_threads=True); "
     "import sys, hooks, distrain.data.prepare as p; p.encode_batch = hooks.encode_batch; sys.exit(p.main())"
 )
 
@@ -566,8 +568,17 @@ def start_with_hooks(tmp_path: Path, marker: str) -> tuple[subprocess.Popen, Pat
 
 
 def finish(process: subprocess.Popen, seconds: float) -> tuple[str, str]:
+    """The run's output once it ends within ``seconds``; else a failure showing its processes and its stacks."""
     try:
         return process.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        tree = subprocess.run(["ps", "-o", "pid,stat,etimes,args", "-s", str(process.pid)], capture_output=True)
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGUSR2)
+            time.sleep(1)
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        raise AssertionError(f"still running after {seconds} s:\n{tree.stdout.decode()}\n{stderr[-6000:]}") from None
     finally:
         try:
             os.killpg(process.pid, signal.SIGKILL)  # whatever is left of a hung run
