@@ -2,8 +2,8 @@
 ``train.py`` or a tool in a subprocess; ``unit/``: neither), so ``pytest -m "not distributed and not integration"``
 is the fast subset; and the session's tiny Hugging Face Llama, saved once and only read by the tests using it.
 
-With ``pytest -n 2 --dist loadscope`` (pytest-xdist, in the test extra) a module's tests run together on one
-worker, so a module-scoped fixture (a prepared run, a warm interpreter) is made once and the SLURM tests share
+``pytest`` runs on two pytest-xdist workers with ``--dist loadscope`` (pyproject's addopts): a module's tests run
+together on one worker, so a module-scoped fixture (a prepared run, a warm interpreter) is made once and the SLURM tests share
 the two-node cluster one at a time. Session fixtures are made once per worker."""
 
 from __future__ import annotations
