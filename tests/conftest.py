@@ -3,8 +3,8 @@
 is the fast subset; and the session's tiny Hugging Face Llama, saved once and only read by the tests using it.
 
 ``pytest`` runs on two pytest-xdist workers with ``--dist loadscope`` (pyproject's addopts): a module's tests run
-together on one worker, so a module-scoped fixture (a prepared run, a warm interpreter) is made once and the SLURM tests share
-the two-node cluster one at a time. Session fixtures are made once per worker."""
+together on one worker, so a module-scoped fixture (a prepared run, a warm interpreter) is made once and the
+SLURM tests share the two-node cluster one at a time. Session fixtures are made once per worker."""
 
 from __future__ import annotations
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from distrain.artifacts.safetensors_set import SafetensorsSet, inspect_safetensors
 from distrain.errors import ArtifactError
+from distrain.models.meta import meta_device
 
 POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx")
 
@@ -118,7 +118,7 @@ def meta_model(config: Any, path: Path) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        with torch.device("meta"):
+        with meta_device():
             return AutoModelForCausalLM.from_config(config)
     except Exception as err:  # sizes the architecture cannot build (heads not dividing the width, ...)
         raise ArtifactError(

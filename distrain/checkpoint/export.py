@@ -44,6 +44,7 @@ from distrain.artifacts.outputs import check_writable
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
 from distrain.checkpoint.steps import checkpoint_problem
 from distrain.errors import ArtifactError
+from distrain.models.meta import meta_device
 from distrain.models.spec import spec_of
 from distrain.parallelism.checks import root_cause
 from distrain.parallelism.zero import CHECKPOINT_TAG, import_deepspeed
@@ -183,7 +184,7 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
     if "init_from" in model_cfg:
         model_cfg.init_from = None  # the checkpoint holds the weights
     try:
-        with torch.device("meta"):
+        with meta_device():
             model = instantiate(model_cfg)
     except Exception as err:  # e.g. model=hf whose directory moved: Hydra wraps the constructor's error
         cause = root_cause(err)

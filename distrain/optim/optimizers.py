@@ -6,7 +6,7 @@ unwrapped model (bound by ``distrain.trainer.build``; None: roles by name and sh
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,8 +14,10 @@ from torch import nn
 
 from distrain.optim.capabilities import OptimizerCapabilities
 from distrain.optim.groups import GroupRules, canonical_name, param_groups
-from distrain.optim.muon import Muon
 from distrain.parallelism.dtensor import is_dtensor
+
+if TYPE_CHECKING:
+    from distrain.optim.muon import Muon
 
 NamedParameters = Iterable[tuple[str, nn.Parameter]]
 
@@ -100,6 +102,8 @@ def muon(
     """Muon for the parameters the ``muon`` rules name, AdamW (``betas``, ``eps``) for the rest, in one optimizer;
     Muon's work is shared over ``replicated_over`` (see ``distrain.optim.muon``)."""
     groups = _groups(named_parameters, roles, GroupRules(weight_decay, no_decay, lr_multipliers, muon), lr)
+    from distrain.optim.muon import Muon  # here: it imports DTensor, a second of start-up AdamW does not need
+
     return Muon(
         groups,
         lr=lr,

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from distrain.config.checks import ConfigError, at_least, check
 from distrain.config.options import Placement
+from distrain.models.meta import meta_device
 from distrain.models.spec import WHOLE_MODEL, ConfigProblem, ModelSpec, spec_of
 from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.layout import Layout, layout_of
@@ -106,7 +106,7 @@ def meta_model(cfg: DictConfig, strict: bool = True) -> tuple[nn.Module, ModelSp
     complaint. Not ``strict``: only the constructor's refusals of its arguments (TypeError, ValueError) are errors;
     a model that cannot be built on the meta device (it reads a tensor's value) is then not inspected (None)."""
     try:
-        with torch.device("meta"):
+        with meta_device():
             model = instantiate(cfg.model)
         return model, spec_of(model)
     except Exception as err:

@@ -28,6 +28,7 @@ from distrain.config.global_batch import validate_data_fits
 from distrain.config.validate import ConfigError, Target, validate
 from distrain.launch.process_group import resolve_device_type
 from distrain.launch.ranks import default_nproc_per_node
+from distrain.models.meta import meta_device
 from distrain.parallelism.capabilities import capabilities_of
 from distrain.parallelism.describe import degree_items, mesh_line
 from distrain.parallelism.layout import Layout, layout_of
@@ -170,7 +171,7 @@ def plan(cfg: DictConfig) -> DryRunReport:
         optimizer_bytes=optimizer_state_bytes_per_param(cfg.optimizer),
     )
     new_model = partial(_model_with_recomputation, cfg)
-    with torch.device("meta"):
+    with meta_device():
         parameters = sum(p.numel() for p in new_model().parameters())
     mesh = layout_of(cfg.parallelism, target.world_size, target.ranks_per_node)
     dist.init_process_group("fake", store=_fake_store(), rank=0, world_size=target.world_size)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from distrain.models.meta import meta_device
 from distrain.models.spec import spec_of
 from distrain.parallelism.capabilities import declared
 from distrain.parallelism.hybrid import build_mesh, compose
@@ -176,7 +177,7 @@ def _rank_modules(
     """This pipeline rank's modules on the meta device, tensor-parallel on ``tp`` and, with ``shard``, held on the
     data-parallel axis as the strategy holds them at rest. Without ``shard``: as they compute (parameters in the
     compute dtype, whole over ``dp``)."""
-    with torch.device("meta"):
+    with meta_device():
         model = new_model()
     if not shard and precision.uses_autocast:
         model = model.to(precision.compute_dtype)  # activations in the compute dtype, as under autocast
@@ -271,7 +272,7 @@ def _zero(
     precision: PrecisionPolicy,
     workload: Workload,
 ) -> RankMemory:
-    with torch.device("meta"):
+    with meta_device():
         model = new_model()
     num_params = sum(p.numel() for p in model.parameters())
     low_precision = precision.uses_autocast

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 from torch import nn
 
@@ -19,6 +18,7 @@ from distrain.models.common.spec import (
     tied_pipeline_problem,
 )
 from distrain.models.llama.hf import from_hf, hf_config, to_hf
+from distrain.models.meta import meta_device
 from distrain.models.spec import ConfigProblem, HFCounterpart, ModelSpec
 from distrain.models.tensor_plans import DecoderNames, decoder_plan
 
@@ -81,7 +81,7 @@ def check_init_from(cfg: DictConfig, same_architecture: Callable[[DictConfig, Pa
     path = Path(cfg.model.init_from)
     if not path.is_dir():
         raise ConfigError("model.init_from", str(path), "a local Hugging Face model directory (no such directory)")
-    with torch.device("meta"):
+    with meta_device():
         model = instantiate(cfg.model, init_from=None)
     try:
         problem = weights_problem(model, path)
