@@ -54,7 +54,6 @@ from distrain.data.tokenizer_files import (
     eos_id_of,
     load_tokenizer,
     resolve_tokenizer_path,
-    result_of,
     train_bpe,
     vocab_size_of,
     worker_pool,
@@ -302,7 +301,7 @@ def _tokenize(
         def collect() -> None:
             nonlocal tokens
             done = 0
-            for split, (ids, documents, largest) in zip(SPLITS, result_of(pending.popleft()), strict=True):
+            for split, (ids, documents, largest) in zip(SPLITS, pending.popleft().result(), strict=True):
                 writers[split].write(ids, documents, largest)
                 tokens, done = tokens + ids.size, done + documents
             rate = tokens / max(time.perf_counter() - started, 1e-9)

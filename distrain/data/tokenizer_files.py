@@ -14,13 +14,12 @@ import multiprocessing.context
 import os
 import signal
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -169,17 +168,6 @@ def worker_pool(workers: int, json_text: str, eos_id: int, dtype: str) -> Iterat
             raise WorkerDied(_how_workers_ended(processes)) from None
         raise
     pool.shutdown(wait=True)
-
-
-def result_of(future: Future) -> Any:
-    """``future.result()`` waking every 0.1 s. The kernel hands a process's SIGINT to any thread not blocking it; when
-    that is not the main thread, an unbounded wait in the main thread sleeps through the Ctrl-C (Python raises
-    KeyboardInterrupt only once the main thread runs again). Seen under load, where the job then hung."""
-    while True:
-        try:
-            return future.result(timeout=0.1)
-        except TimeoutError:
-            continue
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
