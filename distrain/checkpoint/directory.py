@@ -2,8 +2,9 @@
 by the job holding the directory's lock, before any rank starts).
 
 A save is written into ``step_NNNNNNNN.tmp`` and renamed ``step_NNNNNNNN`` when complete; either holds only the
-names a save writes: the per-rank RNG files, DCP's ``.metadata`` and ``*.distcp`` shards, DeepSpeed's tag directory
-and the ``zero_to_*.py`` scripts it copies beside it (``parallelism=zero``), ``config.yaml`` and ``manifest.json``.
+names a save writes: the per-rank RNG files, DCP's ``.metadata`` and ``*.distcp`` shards (and the metadata's
+``.tmp`` name before DCP renames it), DeepSpeed's tag directory and the ``zero_to_*.py`` scripts it copies beside
+it (``parallelism=zero``), ``config.yaml`` and ``manifest.json``.
 An entry of either name without distrain's manifest that holds anything else is not distrain's: a save of that
 step, or the removal of interrupted saves, would replace it, so the job is refused.
 A save of distrain's that lost its manifest (damaged, or a prune interrupted) is still distrain's: resuming skips it.

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-# In-place random fills (the methods and the torch.nn.init functions named like them). trunc_normal_ and the
-# kaiming/xavier initialisers fill through uniform_ or normal_, so they are skipped with them.
+# In-place random fills: the tensor methods and the torch.nn.init functions named like them. An initialiser that
+# reaches them through its own torch-function dispatch (kaiming_uniform_, nn.Linear's) runs them below this mode;
+# uniform_ has a meta kernel and needs no decomposition, so that costs nothing.
 _RANDOM_FILLS = frozenset(
-    {"normal_", "uniform_", "trunc_normal_", "random_", "exponential_", "bernoulli_", "cauchy_", "log_normal_"}
+    {"normal_", "uniform_", "random_", "exponential_", "bernoulli_", "cauchy_", "log_normal_", "geometric_"}
 )
 
 

@@ -176,6 +176,7 @@ def test_step_entries_distrain_did_not_write_are_named_and_never_removed(tmp_pat
     (tmp_path / "step_00000006.tmp").mkdir()  # interrupted before any rank wrote
     (tmp_path / "step_00000010.tmp").mkdir()  # killed while DCP wrote its metadata (it renames the .tmp when done)
     (tmp_path / "step_00000010.tmp" / ".metadata.tmp").write_bytes(b"x")
+    (tmp_path / "step_00000010.tmp" / "__1.metadata.tmp").write_bytes(b"x")  # DCP's rank-local metadata, unrenamed
     damaged = tmp_path / "step_00000008"  # a save of ours whose manifest was lost: resuming skips it
     (damaged / "deepspeed").mkdir(parents=True)
     for name in ("rng_rank0.pt", "__0_0.distcp", ".metadata", "config.yaml", "zero_to_fp32.py"):

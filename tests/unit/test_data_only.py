@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from distrain.checkpoint.checkpointer import rng_state, set_rng_state
+from distrain.checkpoint.checkpointer import rng_snapshot, rng_state, set_rng_state
 from distrain.checkpoint.data_only import (
     DataOnlyLoadPlanner,
     DataOnlyReader,
@@ -79,6 +79,18 @@ def test_rng_states_round_trip_as_tensors_and_old_numpy_ones_still_load(tmp_path
     expected = (random.random(), np.random.rand())
     set_rng_state(load_tensors_and_values(tmp_path / "old.pt"))
     assert (random.random(), np.random.rand()) == expected
+
+
+def test_the_snapshot_a_failed_step_rolls_back_to_restores_every_generator():
+    random.seed(4), np.random.seed(5), torch.manual_seed(6)
+    snapshot = rng_snapshot()
+
+    def draws() -> tuple:
+        return random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(), torch.rand(2).tolist()
+
+    expected = draws()
+    set_rng_state(snapshot)
+    assert draws() == expected
 
 
 def test_a_code_pickle_is_refused_and_never_runs(tmp_path):
