@@ -1,6 +1,6 @@
 """What every test shares: the marks its folder gives it (``distributed/``: real gloo ranks; ``integration/``:
 ``train.py`` or a tool in a subprocess; ``unit/``: neither), so ``pytest -m "not distributed and not integration"``
-is the fast subset; and the session's tiny Hugging Face Llama, saved once and only read by the tests using it.
+is the fast subset; and the session's tiny Hugging Face Llama, saved once per worker, only read by its tests.
 
 ``pytest`` runs on two pytest-xdist workers with ``--dist loadscope`` (pyproject's addopts): a module's tests run
 together on one worker, so a module-scoped fixture (a prepared run, a warm interpreter) is made once and the
