@@ -20,10 +20,10 @@ from pathlib import Path
 from distrain.checkpoint.steps import step_directories
 
 log = logging.getLogger("distrain.train")
-# .metadata.tmp: DCP writes its metadata under this name and renames it, so a kill in between leaves it behind.
-SAVE_NAMES = {"manifest.json", "config.yaml", ".metadata", ".metadata.tmp", "deepspeed"}  # deepspeed: zero's tag
-# The per-rank RNG files, DCP's rank-local metadata, and the conversion scripts DeepSpeed copies beside its tag.
-_SAVE_FILE = re.compile(r"rng_rank\d+\.pt|__\d+\.metadata(\.tmp)?|zero_to_\w+\.py")
+SAVE_NAMES = {"manifest.json", "config.yaml", "deepspeed"}  # deepspeed: parallelism=zero's tag
+# The per-rank RNG files; DCP's metadata, global or rank-local, also under the .tmp name DCP writes it as before its
+# rename (a kill in between leaves that); the conversion scripts DeepSpeed copies beside its tag.
+_SAVE_FILE = re.compile(r"rng_rank\d+\.pt|(__\d+)?\.metadata(\.tmp)?|zero_to_\w+\.py")
 
 
 def written_by_distrain(path: Path) -> bool:

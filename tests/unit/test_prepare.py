@@ -4,6 +4,7 @@ number of workers, a no-op re-run (that finds a changed shard and repairs it), g
 output directory that is also the input never read back, one-line refusals, interruptions that never leave an
 index naming a missing or partial shard, and Ctrl-C or a dead worker ending the run at once (subprocesses)."""
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -579,14 +580,16 @@ def finish(process: subprocess.Popen, seconds: float) -> tuple[str, str]:
         if process.poll() is None:
             os.kill(process.pid, signal.SIGUSR2)
             time.sleep(1)
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_group(process)
         _, stderr = process.communicate()
         raise AssertionError(f"still running after {seconds} s:\n{tree.stdout.decode()}\n{stderr[-6000:]}") from None
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # whatever is left of a hung run
-        except ProcessLookupError:
-            pass
+        kill_group(process)  # whatever is left of a hung run
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(180)
