@@ -17,7 +17,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from distrain.launch.entry import prepare_command_line, run
+from distrain.launch.entry import compose_and_run, prepare_command_line, run
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -29,6 +29,6 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     prepare_command_line(sys.argv)
     try:
-        main()
+        compose_and_run(main, sys.argv)
     finally:
         gc.freeze()  # skip the seconds-long collection of torch's objects at interpreter exit

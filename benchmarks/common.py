@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import subprocess
 import sys
@@ -20,6 +21,17 @@ def train(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     if done.returncode != 0:
         sys.exit(f"train.py {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def compile_bytecode(*paths: Path) -> None:
+    """Write the bytecode of the Python files under ``paths`` (as a second run of any program reads it) so that
+    start-up compares programs, not this machine's ``PYTHONDONTWRITEBYTECODE``: with it set, every run compiles
+    distrain's 150 modules again (about 0.1 s), while nanoGPT or a one-file loop compiles next to nothing."""
+    for path in paths:
+        if path.is_dir():
+            compileall.compile_dir(str(path), quiet=1)
+        else:
+            compileall.compile_file(str(path), quiet=1)
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:

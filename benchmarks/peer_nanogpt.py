@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import REPO, metrics
+from common import REPO, compile_bytecode, metrics
 
 RECIPE = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64"]
 RECIPE += ["--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
@@ -137,6 +137,7 @@ def common_val_loss(loss_of: Any, data: Path, batch: int = 64) -> float:
 def compare(checkout: Path, steps: int, repeats: int, workdir: Path) -> dict[str, list[dict[str, Any]]]:
     """nanoGPT, then distrain, ``repeats`` times; each run's numbers."""
     data = data_dir(checkout)
+    compile_bytecode(REPO / "distrain", checkout / "model.py")
     runs: dict[str, list[dict[str, Any]]] = {"nanoGPT": [], "distrain": []}
     for repeat in range(repeats):
         runs["nanoGPT"].append(run_nanogpt(checkout, steps, workdir / f"nanogpt_{repeat}"))

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, metrics, publish
+from common import REPO, compile_bytecode, metrics, publish
 
 MODEL = {"vocab_size": 256, "max_seq_len": 128, "d_model": 128, "n_layers": 4, "n_heads": 4}
 MICRO_BATCH, SEQ_LEN, WARMUP_STEPS, LAST = 8, 128, 10, 10
@@ -107,6 +107,7 @@ def main() -> None:
         sys.stderr.flush()
         os._exit(0)
     results, nanogpt = {}, None
+    compile_bytecode(REPO / "distrain", Path(__file__).parent)
     with tempfile.TemporaryDirectory() as tmp:
         if args.nanogpt is not None:  # first: a checkout without its data is refused before the long runs
             from peer_nanogpt import compare

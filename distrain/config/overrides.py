@@ -1,9 +1,10 @@
-"""Command-line overrides that Hydra cannot compose, refused in one line before Hydra prints its page.
+"""Command-line overrides that Hydra cannot compose, refused in one line instead of Hydra's page.
 
 Hydra reports a composition error (a misspelt key, a value of the wrong type, a value outside an enum, a group
-option that does not exist) as several lines and exits 1. ``composition_error`` composes the same overrides first
-and turns the first such error into the line distrain prints for every config mistake: the key, the value, and
-what is allowed (train.py then exits 2).
+option that does not exist) as several lines and exits 1. When Hydra fails (``distrain.launch.entry.compose_and_run``)
+``composition_error`` composes the same overrides again and turns the first such error into the line distrain
+prints for every config mistake: the key, the value, and what is allowed (train.py then exits 2).
+``added_key_error`` refuses a ``+key=value`` that composes but that no schema reads.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def composition_error(overrides: list[str], config_dir: Path = CONF_DIR) -> str 
         return " ".join(str(err).split())
     except (ValueError, TypeError) as err:  # Hydra's own type errors (a group option that is not a name)
         return " ".join(str(err).split())
-    return _added_to_a_schema(cfg, overrides, config_dir)
+    return added_key_error(cfg, overrides, config_dir)
 
 
 def _what_is_allowed(reason: str, schema: type | None, name: object) -> str:
@@ -160,7 +161,7 @@ def _tracker_hint(full_key: str) -> str | None:
     return None
 
 
-def _added_to_a_schema(cfg: DictConfig, overrides: list[str], config_dir: Path) -> str | None:
+def added_key_error(cfg: DictConfig, overrides: list[str], config_dir: Path = CONF_DIR) -> str | None:
     """``+key=value`` adds a key Hydra's struct mode would refuse; under a typed schema nothing would read it (or
     the component it builds would fail on it in every rank), so it is refused like a misspelt key."""
     for override in overrides:

@@ -12,6 +12,7 @@ import sys
 import warnings
 from contextlib import ExitStack
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
@@ -23,7 +24,7 @@ from distrain.artifacts.outputs import check_writable
 from distrain.artifacts.run_directory import inspect_run_directory
 from distrain.checkpoint.preflight import prepare_checkpoint_dir
 from distrain.checkpoint.steps import checkpoint_step
-from distrain.config.overrides import composition_error, plain_overrides, quote_group_options
+from distrain.config.overrides import added_key_error, composition_error, plain_overrides, quote_group_options
 from distrain.config.schema import register_configs
 from distrain.config.validate import ConfigError, LaunchPlan, make_paths_absolute, validate
 from distrain.errors import RUN_ERROR_FILE, ArtifactError, RunError, run_error_line
@@ -44,12 +45,13 @@ register_configs()
 # conf/hydra/launcher/submitit_slurm.yaml gives the plugin's launcher our defaults and is checked against its schema
 # on purpose; Hydra warns about that matching by name on every such run.
 warnings.filterwarnings("ignore", message=".*is validated against ConfigStore schema with the same name")
+HYDRA_RAISES = "HYDRA_FULL_ERROR"
 
 
 def prepare_command_line(argv: list[str]) -> None:
     """Before Hydra parses ``argv`` (in place): under torchrun, ranks other than 0 must not create a run directory;
-    group options Hydra would read as numbers are quoted (``debug=nan``); an override that cannot compose exits 2
-    with one line."""
+    group options Hydra would read as numbers are quoted (``debug=nan``); a run directory that cannot be written
+    exits 2 with one line."""
     if inside_launcher() and launcher_rank() != 0:
         argv += [
             "hydra.output_subdir=null",
@@ -58,12 +60,47 @@ def prepare_command_line(argv: list[str]) -> None:
             "hydra/hydra_logging=disabled",
         ]
     argv[1:] = quote_group_options(argv[1:])
-    overrides = plain_overrides(argv[1:])
-    problem = composition_error(overrides) if overrides is not None and not inside_launcher() else None
-    problem = problem or run_directory_problem(argv[1:])
+    problem = run_directory_problem(argv[1:])
     if problem:
         print(f"distrain: invalid config: {problem}", file=sys.stderr)
         sys.exit(2)
+
+
+def compose_and_run(hydra_main: Callable[[], Any], argv: list[str]) -> None:
+    """``hydra_main()`` (train.py's ``@hydra.main``), with an override Hydra cannot compose refused in one line
+    (exit 2) instead of Hydra's page.
+
+    Composing the overrides once more beforehand would cost every run a second composition (about 0.2 s of
+    start-up), so Hydra is asked to raise instead of print (its ``HYDRA_FULL_ERROR``) until ``run`` begins, and only
+    an error raised before then is explained, by ``composition_error``. A user's own ``HYDRA_FULL_ERROR`` is left as
+    it is: they asked for Hydra's traceback."""
+    if HYDRA_RAISES in os.environ:
+        hydra_main()
+        return
+    os.environ[HYDRA_RAISES] = "1"
+    _composing.append(True)
+    try:
+        hydra_main()
+    except Exception as err:  # noqa: BLE001 - only errors raised while Hydra composes, before ``run``
+        if not _composing:
+            raise
+        overrides = plain_overrides(argv[1:])
+        problem = composition_error(overrides) if overrides is not None else None
+        print(f"distrain: invalid config: {problem or ' '.join(str(err).split())}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        _hydra_prints_again()
+
+
+_composing: list[bool] = []  # non-empty while compose_and_run has Hydra raise
+
+
+def _hydra_prints_again() -> None:
+    """From here on (``run`` has begun) Hydra reports errors its usual way, and the ranks do not inherit the
+    setting."""
+    if _composing:
+        _composing.clear()
+        os.environ.pop(HYDRA_RAISES, None)
 
 
 def run_directory_problem(argv: list[str]) -> str | None:
@@ -85,7 +122,12 @@ def run(cfg: DictConfig) -> float | None:
     With ``dry_run=true``: validate for ``target`` and print each rank's predicted memory there, in this process;
     exit 0 when every rank fits its device, 1 when one does not, 2 for an invalid config.
     """
+    _hydra_prints_again()
     hydra_cfg = HydraConfig.get()
+    added = added_key_error(cfg, list(hydra_cfg.overrides.task))
+    if added:
+        print(f"distrain: invalid config: {added}", file=sys.stderr)
+        sys.exit(2)
     if cfg.dry_run:
         return plan_only(cfg, hydra_cfg.runtime.output_dir)
     adopt_slurm_tasks()  # a multi-task SLURM job: this task is one rank
