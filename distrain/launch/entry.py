@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
