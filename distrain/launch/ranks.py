@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from distrain.launch.fork_server import restore_stop_signals, start_fork_server
 
@@ -186,6 +185,8 @@ def run_ranks(
     if nproc_per_node == 1 and max_restarts == 0:
         with _single_rank_env():
             return {0: entrypoint(*args)}
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # 30 ms a one-process job skips
+
     if start_method == "forkserver":
         start_fork_server(entrypoint)
     config = LaunchConfig(

@@ -13,6 +13,7 @@ import math
 import statistics
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -111,10 +112,14 @@ class LogWindow:
             "gpu_util_percent": self.gpu.percent() if self.gpu.handle is not None else float("nan"),
         }
         # On the training device: NCCL gathers only device tensors.
-        mine = torch.tensor([[local[f] for f in _FIELDS] + [elapsed / steps]], dtype=torch.float64, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        per_rank = torch.cat(gathered).cpu()  # [rank, field]
+        row = [local[f] for f in _FIELDS] + [elapsed / steps]
+        if dist.get_world_size() == 1:  # nothing to gather: a one-process job skips the collective (170 us on gloo)
+            per_rank = np.array([row])
+        else:
+            mine = torch.tensor([row], dtype=torch.float64, device=self.device)
+            gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine)
+            per_rank = torch.cat(gathered).cpu().numpy()  # [rank, field]; numpy's reductions cost less than torch's
         model_metrics = self._model_metrics() | self._comm_quality()
         self._reset()
         record = self._record(per_rank, steps, elapsed)
@@ -135,7 +140,7 @@ class LogWindow:
         checks = [marks["comm_quality"] for marks in self.marks if "comm_quality" in marks]
         return checks[-1] if checks else {}
 
-    def _record(self, per_rank: torch.Tensor, steps: int, elapsed: float) -> dict[str, Any]:
+    def _record(self, per_rank: np.ndarray, steps: int, elapsed: float) -> dict[str, Any]:
         column = {name: per_rank[:, i] for i, name in enumerate(_FIELDS)}
         step_times = per_rank[:, -1]
         tokens_per_s = self.tokens_per_step * steps / elapsed
@@ -163,7 +168,7 @@ class LogWindow:
         return record
 
     @staticmethod
-    def _communication(column: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def _communication(column: dict[str, np.ndarray]) -> dict[str, Any]:
         """Gradient bytes and communication time from a DDP comm hook (nothing for strategies without hooks)."""
         if math.isnan(column["comm_bytes"].mean().item()):
             return {}
@@ -180,18 +185,18 @@ class LogWindow:
         return record
 
     @staticmethod
-    def _pipeline(column: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def _pipeline(column: dict[str, np.ndarray]) -> dict[str, Any]:
         """The pipeline bubble: each rank's idle fraction of the pipeline's time (the longest rank's schedule time:
         a last stage that finishes early idles until the others do), their mean, and the ideal schedule's."""
         if math.isnan(column["schedule"].mean().item()):
             return {}
-        idle = (1.0 - column["stage_busy"] / column["schedule"].max()).clamp(0.0, 1.0).tolist()
+        idle = (1.0 - column["stage_busy"] / column["schedule"].max()).clip(0.0, 1.0).tolist()
         record = {f"pipeline_bubble_rank{rank}": value for rank, value in enumerate(idle)}
         record["pipeline_bubble"] = sum(idle) / len(idle)
         record["pipeline_bubble_theory"] = column["theoretical_bubble"].mean().item()
         return record
 
-    def _balance(self, column: dict[str, torch.Tensor], step_times: torch.Tensor) -> dict[str, Any]:
+    def _balance(self, column: dict[str, np.ndarray], step_times: np.ndarray) -> dict[str, Any]:
         """Spread of step and busy time over ranks; the slowest rank is named when it is beyond the threshold."""
         busy = (column["data"] + column["compute"] + column["optimizer"]).tolist()
         slowest = max(range(len(busy)), key=busy.__getitem__)

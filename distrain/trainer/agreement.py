@@ -60,6 +60,8 @@ class StepAgreement:
         # answers even when a rank is stopped): whoever is behind when a boundary times out stopped responding.
         self.store = dist.distributed_c10d._get_default_store()
         self.arrivals = 0
+        self.world_size = dist.get_world_size()
+        self.identity = (os.getpid(), socket.gethostname())
 
     def agree(
         self,
@@ -90,7 +92,22 @@ class StepAgreement:
             dtype=torch.int64,
         )
         self.arrivals += 1
-        self.store.set(f"{_ARRIVALS_KEY}/{rank}", json.dumps([self.arrivals, step, os.getpid(), socket.gethostname()]))
+        if self.world_size > 1:  # alone, this rank's flags are the verdict: no store round trip, no all-reduce
+            self._reduce(flags, rank=rank, step=step, failed=failed, failed_waiting=failed_waiting)
+        stop, failed_plus_one, inconsistent, max_step, neg_min_step, unwritten = flags.tolist()
+        if stop and self.stop is not None and self.stop.signal_name is None:
+            self.stop.signal_name = "a signal to another rank"
+        return Verdict(
+            stop=bool(stop),
+            failed_rank=failed_plus_one - 1 if failed_plus_one else None,
+            consistent=not inconsistent and max_step == -neg_min_step,
+            step=max_step,
+            async_save_written=not unwritten,
+        )
+
+    def _reduce(self, flags: torch.Tensor, *, rank: int, step: int, failed: bool, failed_waiting: bool) -> None:
+        """The all-reduce (MAX) of ``flags`` in place, this rank's arrival recorded in the store first."""
+        self.store.set(f"{_ARRIVALS_KEY}/{rank}", json.dumps([self.arrivals, step, *self.identity]))
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         try:
             work.wait(timeout=self.failure_timeout) if failed else work.wait()
@@ -104,16 +121,6 @@ class StepAgreement:
             raise AgreementTimeout(
                 f"peers did not reach the step boundary within {self.failure_timeout.total_seconds():.0f} s"
             ) from err
-        stop, failed_plus_one, inconsistent, max_step, neg_min_step, unwritten = flags.tolist()
-        if stop and self.stop is not None and self.stop.signal_name is None:
-            self.stop.signal_name = "a signal to another rank"
-        return Verdict(
-            stop=bool(stop),
-            failed_rank=failed_plus_one - 1 if failed_plus_one else None,
-            consistent=not inconsistent and max_step == -neg_min_step,
-            step=max_step,
-            async_save_written=not unwritten,
-        )
 
     def _stop_unresponsive_ranks(self) -> None:
         """After a step boundary timed out: find the ranks that have not arrived as often as this one, SIGKILL those
