@@ -102,6 +102,7 @@ def shutdown_distributed(graceful: bool = True) -> None:
     if not dist.is_initialized():
         return
     if graceful:
+        gc.unfreeze()  # the run's objects were frozen for the loop (build_and_train): now they may be collected
         gc.collect()
         with contextlib.suppress(RuntimeError):
             dist.barrier()
