@@ -8,9 +8,12 @@ Nothing of nanoGPT is in this repository. Get a checkout and prepare its data as
 
 For each run: start-up (from starting the command to the training loop: for nanoGPT, its line ``using fused
 AdamW``, printed as the loop is entered; for distrain, ``loop_started_at``), the median step time (each program's
-own per-step timing; nanoGPT's includes the evaluation iterations, hence the median), the whole command's wall
-time, and the validation loss of the final model on one common evaluator: every non-overlapping window of
-``val.bin`` (context 64), both models loaded from their checkpoints by this file.
+own per-step timing; nanoGPT's includes the evaluation iterations, hence the median), the median step after the
+first checkpoint (iteration 250) over the median before it, the whole command's wall time and CPU time (user +
+system: the work, which the machine's other tenants stretch far less than the wall time), and the validation loss
+of the final model on one common evaluator: every non-overlapping window of ``val.bin`` (context 64), both models
+loaded from their checkpoints by this file. Before timing, both programs' modules are compiled to bytecode
+(``common.compile_bytecode``), as any second run would find them.
 """
 
 from __future__ import annotations
@@ -28,13 +31,21 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import REPO, compile_bytecode, metrics
+from common import REPO, children_cpu_s, compile_bytecode, metrics
 
 RECIPE = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64"]
 RECIPE += ["--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
 CONTEXT = 64
 ITER_LINE = re.compile(r"^iter (\d+): loss [-\d.]+, time ([\d.]+)ms")
 SKIPPED = 10  # first steps left out of the medians (allocator, first-call costs)
+FIRST_SAVE = 250  # both programs evaluate and save a checkpoint after iteration 250 (nanoGPT: when val improves)
+
+
+def after_over_before_save(times: list[tuple[int, float]]) -> float:
+    """Median step time after the first save over the median before it (steps after ``SKIPPED``)."""
+    before = [seconds for step, seconds in times if SKIPPED < step <= FIRST_SAVE]
+    after = [seconds for step, seconds in times if step > FIRST_SAVE]
+    return statistics.median(after) / statistics.median(before) if before and after else float("nan")
 
 
 def data_dir(checkout: Path) -> Path:
@@ -54,7 +65,7 @@ def run_nanogpt(checkout: Path, steps: int, out_dir: Path) -> dict[str, Any]:
     there), writing its checkpoint to ``out_dir``."""
     schedule = [f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--out_dir={out_dir}"]
     command = [sys.executable, "-u", "train.py", "config/train_shakespeare_char.py", *RECIPE, *schedule]
-    started = time.time()
+    started, cpu_before = time.time(), children_cpu_s()
     loop_started, times, lines = None, [], []
     with subprocess.Popen(command, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as run:
         for line in run.stdout:
@@ -69,7 +80,9 @@ def run_nanogpt(checkout: Path, steps: int, out_dir: Path) -> dict[str, Any]:
     return {
         "startup_s": loop_started - started,
         "step_time_s": statistics.median(step_times),
+        "after_save": after_over_before_save(times),
         "wall_s": time.time() - started,
+        "cpu_s": children_cpu_s() - cpu_before,
         "val_loss": common_val_loss(nanogpt_model(checkout, out_dir / "ckpt.pt"), checkout / "data/shakespeare_char"),
     }
 
@@ -78,17 +91,19 @@ def run_distrain(data: Path, steps: int, run_dir: Path) -> dict[str, Any]:
     """``train.py experiment=nanogpt_shakespeare_char`` on the same data, every step logged (as nanoGPT's recipe)."""
     args = ["experiment=nanogpt_shakespeare_char", f"data.path={data}", f"trainer.max_steps={steps}"]
     args += ["trainer.log_every=1", "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"]
-    started = time.time()
+    started, cpu_before = time.time(), children_cpu_s()
     done = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True)
-    wall = time.time() - started
+    wall, cpu = time.time() - started, children_cpu_s() - cpu_before
     if done.returncode != 0:
         sys.exit(f"distrain failed:\n{done.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    step_times = [r["step_time_s"] for r in metrics(run_dir) if "step_time_s" in r and r["step"] > SKIPPED]
+    times = [(r["step"], r["step_time_s"]) for r in metrics(run_dir) if "step_time_s" in r]
     return {
         "startup_s": summary["loop_started_at"] - started,
-        "step_time_s": statistics.median(step_times),
+        "step_time_s": statistics.median(seconds for step, seconds in times if step > SKIPPED),
+        "after_save": after_over_before_save(times),
         "wall_s": wall,
+        "cpu_s": cpu,
         "val_loss": common_val_loss(distrain_model(run_dir / "checkpoints"), data),
     }
 
@@ -149,16 +164,20 @@ def compare(checkout: Path, steps: int, repeats: int, workdir: Path) -> dict[str
 
 def table(runs: dict[str, list[dict[str, Any]]], steps: int) -> tuple[str, list[str]]:
     """The markdown rows: per program the median over its runs, and distrain / nanoGPT."""
-    keys = ("startup_s", "step_time_s", "wall_s", "val_loss")
+    keys = ("startup_s", "step_time_s", "after_save", "wall_s", "cpu_s", "val_loss")
     median = {name: {key: statistics.median(r[key] for r in rs) for key in keys} for name, rs in runs.items()}
-    rows = ["| program | start-up (s) | step (ms) | whole run (s) | validation loss (common) |", "|---" * 5 + "|"]
+    header = "| program | start-up (s) | step (ms) | step after / before the first save | whole run (s) "
+    header += "| whole run, CPU (s) | validation loss (common) |"
+    rows = [header, "|---" * 7 + "|"]
     for name, m in median.items():
-        step_ms = m["step_time_s"] * 1e3
-        rows.append(f"| {name} | {m['startup_s']:.2f} | {step_ms:.1f} | {m['wall_s']:.1f} | {m['val_loss']:.4f} |")
+        rows.append(
+            f"| {name} | {m['startup_s']:.2f} | {m['step_time_s'] * 1e3:.1f} | {m['after_save']:.3f}"
+            f" | {m['wall_s']:.1f} | {m['cpu_s']:.1f} | {m['val_loss']:.4f} |"
+        )
     ratio = {key: median["distrain"][key] / median["nanoGPT"][key] for key in keys}
     rows.append(
-        f"| distrain / nanoGPT | {ratio['startup_s']:.2f}x | {ratio['step_time_s']:.3f}x | {ratio['wall_s']:.3f}x"
-        f" | {ratio['val_loss']:.4f}x |"
+        f"| distrain / nanoGPT | {ratio['startup_s']:.2f}x | {ratio['step_time_s']:.3f}x | - | {ratio['wall_s']:.3f}x"
+        f" | {ratio['cpu_s']:.3f}x | {ratio['val_loss']:.4f}x |"
     )
     title = (
         f"nanoGPT's shakespeare-char CPU recipe (4 x 128, context 64, batch 12, {steps} iterations), one process, "

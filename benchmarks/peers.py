@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None, help="write peers.md and peers.png here")
     parser.add_argument("--nanogpt", type=Path, default=None, help="a nanoGPT checkout: also compare with it")
     parser.add_argument("--nanogpt-steps", type=int, default=2000, help="iterations of nanoGPT's recipe")
-    parser.add_argument("--nanogpt-repeats", type=int, default=2, help="alternating runs of each program")
+    parser.add_argument("--nanogpt-repeats", type=int, default=3, help="alternating runs of each program")
     parser.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
