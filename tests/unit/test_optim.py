@@ -234,3 +234,33 @@ def test_optimizer_settings_the_checkpoint_restores_are_named_when_changed_on_re
     with caplog.at_level("WARNING", logger="distrain.train"):
         check_resumable(compose_config(["optimizer.lr=1e-3"]), tmp_path, world_size=2)
     assert "optimizer.lr=0.001 (the checkpoint's: 0.003): ignored on resume" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------ AdamW's kernel
+
+
+def test_adamw_on_plain_tensors_takes_the_fused_kernel_and_updates_as_the_loop_does():
+    from distrain.models.gpt.model import GPT
+    from distrain.optim.optimizers import adamw
+
+    torch.manual_seed(0)
+    models = [GPT(vocab_size=32, max_seq_len=8, d_model=16, n_layers=2, n_heads=2) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    settings = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "no_decay": ["bias", "norm"]}
+    fused = adamw(models[0].named_parameters(), **settings)
+    assert fused.defaults["fused"] is True
+    implementation = ("fused", "foreach")  # the same groups (decay, lr), torch's per-tensor loop
+    groups = adamw(models[1].named_parameters(), **settings).param_groups
+    loop = torch.optim.AdamW(
+        [{k: v for k, v in group.items() if k not in implementation} for group in groups], foreach=False
+    )
+    assert not loop.param_groups[0]["fused"] and not loop.param_groups[0]["foreach"]
+    assert [g["weight_decay"] for g in loop.param_groups] == [g["weight_decay"] for g in fused.param_groups]
+    tokens = torch.randint(0, 32, (4, 8))
+    for _ in range(3):
+        for model, optimizer in zip(models, (fused, loop), strict=True):
+            model(tokens).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
