@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from distrain.launch.entry import compose_and_run, prepare_command_line, run
 
 # torch's hundreds of thousands of module-level objects never become garbage, yet every full collection walks them
-# (80 ms each, several during Hydra's composition and the rest of start-up): set them aside for good.
+# (80 ms each, several during Hydra's composition and the rest of start-up): set them aside until the shutdown.
 gc.freeze()
 
 

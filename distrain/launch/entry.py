@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from distrain.artifacts.outputs import check_writable
@@ -71,36 +74,59 @@ def compose_and_run(hydra_main: Callable[[], Any], argv: list[str]) -> None:
     (exit 2) instead of Hydra's page.
 
     Composing the overrides once more beforehand would cost every run a second composition (about 0.2 s of
-    start-up), so Hydra is asked to raise instead of print (its ``HYDRA_FULL_ERROR``) until ``run`` begins, and only
-    an error raised before then is explained, by ``composition_error``. A user's own ``HYDRA_FULL_ERROR`` is left as
-    it is: they asked for Hydra's traceback."""
-    if HYDRA_RAISES in os.environ:
+    start-up), so Hydra is asked to raise instead of print (its ``HYDRA_FULL_ERROR``) only while it composes: the
+    ``HydraComposed`` callback (conf/config.yaml) ends that as soon as the config exists, before any job runs or is
+    submitted, so failures after it are reported Hydra's way and no job inherits the setting. A composition error
+    raised meanwhile is explained by ``composition_error``. A user's own ``HYDRA_FULL_ERROR=1`` is left as it is:
+    they asked for Hydra's traceback."""
+    if os.environ.get(HYDRA_RAISES) == "1":
         hydra_main()
         return
-    os.environ[HYDRA_RAISES] = "1"
-    _composing.append(True)
+    _hydra_raises.begin()
     try:
         hydra_main()
-    except Exception as err:  # noqa: BLE001 - only errors raised while Hydra composes, before ``run``
-        if not _composing:
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError) as err:
+        if not _hydra_raises.active:
             raise
         overrides = plain_overrides(argv[1:])
         problem = composition_error(overrides) if overrides is not None else None
         print(f"distrain: invalid config: {problem or ' '.join(str(err).split())}", file=sys.stderr)
         sys.exit(2)
     finally:
-        _hydra_prints_again()
+        _hydra_raises.end()
 
 
-_composing: list[bool] = []  # non-empty while compose_and_run has Hydra raise
+class _HydraRaises:
+    """``HYDRA_FULL_ERROR=1`` while Hydra composes, then whatever the user had."""
+
+    def __init__(self) -> None:
+        self.active, self.previous = False, None
+
+    def begin(self) -> None:
+        self.active, self.previous = True, os.environ.get(HYDRA_RAISES)
+        os.environ[HYDRA_RAISES] = "1"
+
+    def end(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if self.previous is None:
+            os.environ.pop(HYDRA_RAISES, None)
+        else:
+            os.environ[HYDRA_RAISES] = self.previous
 
 
-def _hydra_prints_again() -> None:
-    """From here on (``run`` has begun) Hydra reports errors its usual way, and the ranks do not inherit the
-    setting."""
-    if _composing:
-        _composing.clear()
-        os.environ.pop(HYDRA_RAISES, None)
+_hydra_raises = _HydraRaises()
+
+
+class HydraComposed(Callback):
+    """Hydra has composed the config (a run's or a sweep's): from here on it reports errors its own way."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _hydra_raises.end()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _hydra_raises.end()
 
 
 def run_directory_problem(argv: list[str]) -> str | None:
@@ -122,7 +148,7 @@ def run(cfg: DictConfig) -> float | None:
     With ``dry_run=true``: validate for ``target`` and print each rank's predicted memory there, in this process;
     exit 0 when every rank fits its device, 1 when one does not, 2 for an invalid config.
     """
-    _hydra_prints_again()
+    _hydra_raises.end()  # also when Hydra runs without conf/config.yaml's callbacks
     hydra_cfg = HydraConfig.get()
     added = added_key_error(cfg, list(hydra_cfg.overrides.task))
     if added:

@@ -2,8 +2,8 @@
 record for all ranks when the window closes.
 
 Collectives: closing a window runs one ``all_gather`` of a dozen floats per rank (every rank's loss, phase times,
-memory), from which every rank computes the means, the rank balance and the straggler. Nothing else is
-communicated for monitoring.
+memory), from which every rank computes the means, the rank balance and the straggler; a world of one gathers
+nothing. Nothing else is communicated for monitoring.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class LogWindow:
     def close(self) -> dict[str, Any]:
         """The window's metrics record, identical on every rank but for the model's own metrics (this rank's) and
         the compression quality guard's check (rank 0 only).
-        Collective: one all_gather."""
+        Collective: one all_gather (none in a world of one)."""
         steps = self.steps
         elapsed = self.clock.seconds(self.started, self.clock.mark()) - self.paused
         phases = {name: 0.0 for name in PHASES}
@@ -111,11 +111,10 @@ class LogWindow:
             **memory_now(self.device),
             "gpu_util_percent": self.gpu.percent() if self.gpu.handle is not None else float("nan"),
         }
-        # On the training device: NCCL gathers only device tensors.
         row = [local[f] for f in _FIELDS] + [elapsed / steps]
         if dist.get_world_size() == 1:  # nothing to gather: a one-process job skips the collective (170 us on gloo)
             per_rank = np.array([row])
-        else:
+        else:  # on the training device: NCCL gathers only device tensors
             mine = torch.tensor([row], dtype=torch.float64, device=self.device)
             gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, mine)

@@ -11,9 +11,10 @@ stages, which keep the full model's names) find each parameter's role by its can
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -164,6 +165,20 @@ def base_lr(optimizer: Any) -> float:
     """The schedule's current learning rate without any group's multiplier."""
     group = optimizer.param_groups[0]
     return float(group["lr"]) / float(group.get("lr_multiplier", 1.0))
+
+
+KERNEL_KEYS = ("fused", "foreach")  # torch's choice of update kernel, stored in every param group
+
+
+@contextlib.contextmanager
+def kernels_kept(optimizer: Any) -> Iterator[None]:
+    """Load a checkpoint inside this: the kernel the optimizer was built with stays. A saved param group carries
+    the kernel choice of the layout that saved it (or of a version before fused AdamW), and loading it would switch
+    this layout's, e.g. the fused kernel onto sharded DTensors it was not chosen for."""
+    kept = [{key: group[key] for key in KERNEL_KEYS if key in group} for group in optimizer.param_groups]
+    yield
+    for group, kernels in zip(optimizer.param_groups, kept, strict=True):
+        group.update(kernels)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from distrain.errors import RunError
 from distrain.launch.process_group import DistEnv
 from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
-from distrain.optim.groups import base_lr
+from distrain.optim.groups import base_lr, kernels_kept
 from distrain.parallelism.capabilities import Capabilities
 from distrain.parallelism.dtensor import full_value, is_dtensor
 from distrain.planning.memory import ModelStateBytes, measure_torch_model_state
@@ -370,7 +370,8 @@ class LocalBackwardStrategy:
             dcp.load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner())
         finally:
             self._optimizer_source = None
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[source])
+        with kernels_kept(self.optimizer):
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[source])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])

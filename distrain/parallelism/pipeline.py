@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader
 from distrain.data.sampler import Batch
 from distrain.models.spec import spec_of
+from distrain.optim.groups import kernels_kept
 from distrain.parallelism.base import (
     LocalBackwardStrategy,
     NonFiniteGradientError,
@@ -299,6 +300,7 @@ class PipelineStrategy(LocalBackwardStrategy):
         state = {**self._state_dict(), "extra": extra}
         dcp.load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner())
         set_model_state_dict(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"][f"rank{self.pp_rank}"])
+        with kernels_kept(self.optimizer):
+            self.optimizer.load_state_dict(state["optimizer"][f"rank{self.pp_rank}"])
         self.scheduler.load_state_dict(state["scheduler"])
         return state["extra"]

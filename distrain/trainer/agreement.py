@@ -1,7 +1,8 @@
 """What all ranks agree on at the end of every optimizer step: stop for a signal, a failed rank, whether an
 emergency checkpoint is safe, whether an asynchronous checkpoint is written everywhere.
 
-One all-reduce (MAX) of six integers per step, on a dedicated gloo group with CPU tensors, so it never queues
+One all-reduce (MAX) of six integers per step (none in a world of one: its own flags are the verdict), on a
+dedicated gloo group with CPU tensors, so it never queues
 behind the strategy's collectives on the default group, and a rank that failed can wait for it with a short
 timeout: if a healthy peer is stuck in a collective the failed rank never joined, the failed rank gives up
 after ``failure_timeout_s`` instead of hanging, and no emergency checkpoint is written.
@@ -72,7 +73,8 @@ class StepAgreement:
         async_save_written: bool = True,
         failed_waiting: bool = False,
     ) -> Verdict:
-        """Collective on the agreement group. ``step`` is the optimizer steps this rank completed; ``consistent``
+        """Collective on the agreement group (local in a world of one).
+        ``step`` is the optimizer steps this rank completed; ``consistent``
         is False when this rank failed in the middle of applying an update.
 
         Raises ``AgreementTimeout`` on a failed rank whose peers do not arrive within ``failure_timeout_s``, and

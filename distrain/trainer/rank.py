@@ -63,6 +63,8 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         )
         # Model, optimizer and everything built live until the end: full collections during training skip them
         # (each walked every object torch and the build made, 80 ms and more; shutdown_distributed unfreezes).
+        # The young generations' garbage (the build's and resume's cycles) is collected first, not frozen with them.
+        gc.collect(1)
         gc.freeze()
         summary = train_run(cfg, env, run, state, run_dir)
         run.reporter.finish(summary)

@@ -264,3 +264,16 @@ def test_adamw_on_plain_tensors_takes_the_fused_kernel_and_updates_as_the_loop_d
             optimizer.zero_grad()
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+
+
+def test_a_loaded_checkpoint_keeps_the_kernel_this_layout_chose():
+    from distrain.optim.groups import kernels_kept
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], fused=True)
+    saved = optimizer.state_dict()
+    saved["param_groups"][0] |= {"fused": None, "foreach": False, "lr": 0.5}  # another layout or an older version
+    with kernels_kept(optimizer):
+        optimizer.load_state_dict(saved)
+    group = optimizer.param_groups[0]
+    assert (group["fused"], group["foreach"], group["lr"]) == (True, None, 0.5)
