@@ -52,8 +52,7 @@ def _implementation(groups: list[dict[str, Any]]) -> dict[str, bool | None]:
     picks on CPUs (nanoGPT's recipe's 0.8M parameters). Sharded and tensor-parallel layouts (DTensors) keep torch's
     own choice (``_foreach``)."""
     params = [p for group in groups for p in group["params"]]
-    plain = not any(is_dtensor(p) for p in params)
-    if plain and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
+    if all(not is_dtensor(p) and p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
         return {"fused": True}
     return {"foreach": _foreach(groups)}
 

@@ -2,10 +2,10 @@
 emergency checkpoint is safe, whether an asynchronous checkpoint is written everywhere.
 
 One all-reduce (MAX) of six integers per step (none in a world of one: its own flags are the verdict), on a
-dedicated gloo group with CPU tensors, so it never queues
-behind the strategy's collectives on the default group, and a rank that failed can wait for it with a short
-timeout: if a healthy peer is stuck in a collective the failed rank never joined, the failed rank gives up
-after ``failure_timeout_s`` instead of hanging, and no emergency checkpoint is written.
+dedicated gloo group with CPU tensors, so it never queues behind the strategy's collectives on the default group,
+and a rank that failed can wait for it with a short timeout: if a healthy peer is stuck in a collective the
+failed rank never joined, the failed rank gives up after ``failure_timeout_s`` instead of hanging, and no emergency
+checkpoint is written.
 """
 
 from __future__ import annotations
@@ -73,9 +73,8 @@ class StepAgreement:
         async_save_written: bool = True,
         failed_waiting: bool = False,
     ) -> Verdict:
-        """Collective on the agreement group (local in a world of one).
-        ``step`` is the optimizer steps this rank completed; ``consistent``
-        is False when this rank failed in the middle of applying an update.
+        """Collective on the agreement group (local in a world of one). ``step`` is the optimizer steps this rank
+        completed; ``consistent`` is False when this rank failed in the middle of applying an update.
 
         Raises ``AgreementTimeout`` on a failed rank whose peers do not arrive within ``failure_timeout_s``, and
         ``UnresponsiveRankError`` when the boundary times out on a rank that was only waiting for peers (healthy, or
