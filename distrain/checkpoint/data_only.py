@@ -212,3 +212,8 @@ def saved_optimizer_key(path: Path, wanted: str, rank: int, world_size: int) -> 
         if key in present:
             return key
     return wanted  # nothing to choose from: the load names the missing keys
+
+
+def holds_replica_state(path: Path) -> bool:
+    """Whether the DCP checkpoint at ``path`` holds a replica-group quorum's state (written with ft=torchft)."""
+    return (path / ".metadata").is_file() and any(key.startswith("extra.ft.") for key in saved_keys(path))

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from distrain.config.checks import ConfigError
 
 # A model family checks itself through its ModelSpec (``spec.check_config``), a tracker through its ``check``.
-GROUPS = ("parallelism", "comm", "optimizer", "precision")
+GROUPS = ("parallelism", "comm", "optimizer", "precision", "ft")
 
 
 @dataclass(frozen=True)

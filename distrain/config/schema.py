@@ -22,6 +22,7 @@ from distrain.comm.config import (
 )
 from distrain.config.choices import choices
 from distrain.data.config import StdlibDataConfig, SyntheticDataConfig, TokensDataConfig
+from distrain.ft.config import NoReplicaGroupsConfig, TorchFTConfig
 from distrain.models.gpt.config import GPTConfig
 from distrain.models.hf.config import HFConfig
 from distrain.models.llama.config import LlamaConfig
@@ -266,6 +267,7 @@ class Config:
     precision: PrecisionConfig = MISSING
     comm: Any = MISSING
     checkpoint: CheckpointConfig = MISSING
+    ft: Any = MISSING  # fault tolerance across replica groups: none | torchft
     logger: dict[str, Any] = field(default_factory=dict)  # tracker name -> its config; logger=[wandb,mlflow]
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -302,6 +304,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "hierarchical": HierarchicalCommConfig,
     },
     "checkpoint": {"dcp": CheckpointConfig},
+    "ft": {"none": NoReplicaGroupsConfig, "torchft": TorchFTConfig},
     "logger": {
         "jsonl": JsonlTrackerConfig,
         "wandb": WandbTrackerConfig,
@@ -310,7 +313,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     },
 }
 
-CONFIG_GROUPS = ("model", "data", "parallelism", "optimizer", "precision", "comm", "checkpoint", "logger")
+CONFIG_GROUPS = ("model", "data", "parallelism", "optimizer", "precision", "comm", "checkpoint", "ft", "logger")
 
 
 def _stage_or(default: int, *, _root_: DictConfig) -> int:

@@ -218,7 +218,7 @@ class TrainBatches:
 
 
 def validation_batches(
-    windows: Windows, *, micro_batch_size: int, num_batches: int, dp_rank: int, dp_size: int
+    windows: Windows, *, micro_batch_size: int, num_batches: int, dp_rank: int, dp_size: int, replica_groups: int = 1
 ) -> list[Batch]:
     """A fixed validation set, the first windows of the validation stream, split over data-parallel ranks.
 
@@ -227,7 +227,8 @@ def validation_batches(
     smaller than one micro-batch per rank is used round robin, windows repeating.
     """
     per_step = micro_batch_size * dp_size
-    num_batches = max(1, min(num_batches, len(windows) // per_step))
+    # With replica groups (ft=torchft) each group validates on the set all of the job's ranks would share.
+    num_batches = max(1, min(num_batches, len(windows) // (per_step * replica_groups))) * replica_groups
     batches = []
     for i in range(num_batches):
         start = i * per_step + dp_rank * micro_batch_size

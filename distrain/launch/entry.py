@@ -172,6 +172,8 @@ def run(cfg: DictConfig) -> float | None:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_dict["distributed"]["device"] = plan.device_type
     checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")
+    if cfg.ft.get("_target_"):  # whichever group saves (groups other than 0 log into their own subdirectory)
+        cfg_dict["checkpoint"]["dir"] = str(Path(checkpoint_dir).resolve())
     run_name = f"{hydra_cfg.job.name}/{Path(run_dir).relative_to(Path(run_dir).parents[1])}"
     with ExitStack() as held:
         try:  # one job per checkpoint directory, and a checkpoint that fits this config, before any rank starts
@@ -234,13 +236,24 @@ def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], resume
     for stale in Path(rank_args[1]).glob(RUN_ERROR_FILE.format(rank="*")):
         stale.unlink()
     try:
-        results = run_ranks(
-            build_and_train,
-            rank_args,
-            nproc_per_node=plan.nproc_per_node,
-            max_restarts=cfg.distributed.max_restarts,
-            start_method=plan.start_method,
-        )
+        if cfg.ft.get("_target_"):  # replica groups: each its own process set, restarted on its own
+            from distrain.ft.launch import run_replica_groups
+
+            results = run_replica_groups(
+                build_and_train,
+                rank_args,
+                cfg.ft,
+                nproc_per_node=plan.nproc_per_node,
+                start_method=plan.start_method,
+            )
+        else:
+            results = run_ranks(
+                build_and_train,
+                rank_args,
+                nproc_per_node=plan.nproc_per_node,
+                max_restarts=cfg.distributed.max_restarts,
+                start_method=plan.start_method,
+            )
     except RunError as err:  # raised by the one rank this process ran itself
         fail(str(err))
     except ChildFailedError as err:

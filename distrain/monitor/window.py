@@ -126,11 +126,13 @@ class LogWindow:
 
     def _model_metrics(self) -> dict[str, float]:
         """The model's own step metrics (``ModelSpec.metrics``, e.g. tokens per expert) and the optimizer's
-        (``optimizer_bytes_sent``), averaged over the window's steps. This rank's values, not gathered: they
+        (``optimizer_bytes_sent``) and, with ft=torchft, the replica groups that took part in each step
+        (``replica_groups``), averaged over the window's steps. This rank's values, not gathered: they
         describe the batches this rank saw and the collectives it ran."""
         sums: dict[str, float] = {}
         for marks in self.marks:
-            for name, value in (marks.get("model_metrics", {}) | marks.get("optimizer_metrics", {})).items():
+            own = marks.get("model_metrics", {}) | marks.get("optimizer_metrics", {}) | marks.get("replica_metrics", {})
+            for name, value in own.items():
                 sums[name] = sums.get(name, 0.0) + float(value) / self.steps
         return sums
 

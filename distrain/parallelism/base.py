@@ -25,6 +25,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.errors import RunError
+from distrain.ft.replicas import ReplicaGroups
 from distrain.launch.process_group import DistEnv
 from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
@@ -55,6 +56,8 @@ class StrategyContext:
     grad_accum_steps: int  # micro-steps per optimizer step
     run_dir: str
     clock: Clock  # phase timestamps for the step's time split (CUDA events on a GPU)
+    # ft=torchft: averages gradients across replica groups and decides each step's commit (None: one group)
+    replica_groups: ReplicaGroups | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class StepResult:
     loss: torch.Tensor
     grad_norm: torch.Tensor
     skipped: bool = False  # the update was not applied (non-finite gradients, on_nonfinite=skip)
+    # ft=torchft: False when the replica groups' quorum did not commit the step (a group failed during it): nothing
+    # was applied and the loop runs the step again.
+    committed: bool = True
     # Phase timestamps (``distrain.monitor.timing``): backward_done, optimizer_done and, under DDP, comm_launch;
     # under DDP also the comm hook's traffic (``DDPComm.step_report``).
     marks: dict[str, Any] = field(default_factory=dict)
@@ -266,6 +272,9 @@ class LocalBackwardStrategy:
                 loss_sum += as_tensor(micro_loss.detach())
         self._marks["backward_done"] = self.ctx.clock.mark()
         self._marks |= self.ctx.comm.step_report()
+        if self.ctx.replica_groups is not None and not self._average_across_replicas(loss_sum):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(loss=loss_sum / total_tokens, grad_norm=torch.zeros(()), committed=False)
         self._marks["model_metrics"] = self.spec.step_metrics(self.unwrapped)
         grad_norm = self.clip_gradients()
         skipped = False
@@ -290,6 +299,35 @@ class LocalBackwardStrategy:
         self._marks["optimizer_done"] = self.ctx.clock.mark()
         self._marks["optimizer_metrics"] = optimizer_metrics(self.optimizer)
         return StepResult(loss=loss_sum / total_tokens, grad_norm=grad_norm, skipped=skipped, marks=self._marks)
+
+    def _average_across_replicas(self, loss_sum: torch.Tensor) -> bool:
+        """ft=torchft: average the gradients (and the step's loss, so every group logs the job's loss) across the
+        replica groups of this step's quorum, after the group's own all-reduce; returns whether the quorum commits
+        the step. Collective: one all-reduce of one flat buffer over torchft's process group."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        committed = self.ctx.replica_groups.average([*grads, loss_sum])
+        self._marks["replica_metrics"] = {"replica_groups": float(self.ctx.replica_groups.participants())}
+        return committed
+
+    def replica_state(self) -> dict[str, Any]:
+        """Model, optimizer, scheduler and scaler state as plain tensors in memory: what a healing replica group
+        copies from this one (ft=torchft)."""
+        return self._state_dict()
+
+    def load_replica_state(self, state: dict[str, Any]) -> None:
+        """Take a live peer's ``replica_state``."""
+        self._apply_state(state, self.own_optimizer_key())
+
+    def _apply_state(self, state: dict[str, Any], optimizer_key: str) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        with kernels_kept(self.optimizer):
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[optimizer_key]
+            )
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
 
     def _finish_local_update(self, skipped: bool) -> bool:
         """The comm option's exchange of the ranks' updates (``comm.local_steps``); returns whether the step counts
@@ -359,7 +397,6 @@ class LocalBackwardStrategy:
 
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, saved_optimizer_key
 
@@ -370,9 +407,5 @@ class LocalBackwardStrategy:
             dcp.load(state, storage_reader=DataOnlyReader(path), planner=DataOnlyLoadPlanner())
         finally:
             self._optimizer_source = None
-        with kernels_kept(self.optimizer):
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state[source])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
+        self._apply_state(state, source)
         return state["extra"]

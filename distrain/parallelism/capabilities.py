@@ -34,6 +34,9 @@ class Capabilities:
     # The optimizer steps inside DeepSpeed's engine: DeepSpeed's own Muon and clipping, an fp32 master copy of the
     # weights under low precision.
     deepspeed_optimizer: bool = False
+    # Runs inside a torchft replica group (ft=torchft): plain tensors whose gradients the groups average, its state
+    # handed to a healing group in memory.
+    replica_groups: bool = False
 
 
 def capabilities_of(parallelism: DictConfig | Any) -> Capabilities:

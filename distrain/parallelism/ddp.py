@@ -30,7 +30,7 @@ class DDPStrategy(LocalBackwardStrategy):
     step the exchange of updates (``distrain.comm.topk_update``).
     """
 
-    capabilities = Capabilities(comm_hooks=True, memory_formula="ddp")
+    capabilities = Capabilities(comm_hooks=True, memory_formula="ddp", replica_groups=True)
 
     @staticmethod
     def resolve_layout(parallelism: Any, world_size: int, ranks_per_node: int | None = None, **_: Any) -> Layout:

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.config.schema import TrainerConfig
 from distrain.data.sampler import Batch, GlobalBatchSampler, TrainBatches, token_windows, validation_batches
+from distrain.ft.replicas import ReplicaGroups
 from distrain.launch.process_group import DistEnv
 from distrain.models.spec import spec_of
 from distrain.monitor.flops import peak_flops_per_device
@@ -44,6 +45,7 @@ class RankRun:
     settings: TrainerConfig
     window: LogWindow
     model_parameters: int
+    replica_groups: ReplicaGroups | None = None  # ft=torchft: this rank's side of the replica groups
 
 
 def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
@@ -72,6 +74,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         apply_compile(model, cfg.compile_scope, cfg.compile_backend)
     precision = instantiate(cfg.precision)
     comm = instantiate(cfg.comm)
+    replica_groups = instantiate(cfg.ft) if cfg.ft.get("_target_") else None
     strategy.setup(
         model,
         StrategyContext(
@@ -86,12 +89,17 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
             grad_accum_steps=settings.grad_accum_steps,
             run_dir=run_dir,
             clock=Clock(env.device),
+            replica_groups=replica_groups,
         ),
     )
-    data, val_batches = build_data(cfg, settings, strategy.data_parallel, pin_memory=env.device.type == "cuda")
+    data, val_batches = build_data(
+        cfg, settings, strategy.data_parallel, replica_groups, pin_memory=env.device.type == "cuda"
+    )
+    # Under ft=torchft every group's rank 0 writes its own metrics.jsonl; the trackers follow group 0's (the run's).
+    tracked = replica_groups is None or replica_groups.group == 0
     reporter = RunReporter(
         run_dir=run_dir,
-        trackers={name: instantiate(tracker) for name, tracker in cfg.logger.items()},
+        trackers={name: instantiate(tracker) for name, tracker in cfg.logger.items()} if tracked else {},
         enabled=env.is_main,
         max_steps=settings.max_steps,
         progress_bar=settings.progress_bar,
@@ -120,6 +128,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
             straggler_threshold=cfg.monitor.straggler_threshold,
         ),
         model_parameters=model_parameters,
+        replica_groups=replica_groups,
     )
 
 
@@ -132,12 +141,23 @@ def _peak_flops(env: DistEnv, compute_dtype: torch.dtype, configured: float | No
 
 
 def build_data(
-    cfg: DictConfig, settings: TrainerConfig, data_parallel: tuple[int, int], *, pin_memory: bool
+    cfg: DictConfig,
+    settings: TrainerConfig,
+    data_parallel: tuple[int, int],
+    replica_groups: ReplicaGroups | None = None,
+    *,
+    pin_memory: bool,
 ) -> tuple[TrainBatches, list[Batch]]:
     """This rank's training batches (its share of each global batch) and validation batches, for its position
-    ``(dp_rank, dp_size)`` on the data-parallel axis."""
+    ``(dp_rank, dp_size)`` on the data-parallel axis.
+
+    With replica groups the groups are the outer part of that axis for training; each group validates on the whole
+    validation set (the one a plain job of all the ranks would use), so every group reports the job's validation
+    loss whichever groups are alive."""
     corpus = instantiate(cfg.data.corpus)
-    dp_rank, dp_size = data_parallel
+    val_rank, val_size = data_parallel
+    groups = replica_groups.count if replica_groups else 1
+    dp_rank, dp_size = replica_groups.data_parallel(data_parallel) if replica_groups else data_parallel
     train_windows = token_windows(corpus.train, cfg.data.seq_len)
     sampler = GlobalBatchSampler(
         num_samples=len(train_windows),
@@ -152,8 +172,9 @@ def build_data(
         token_windows(corpus.val, cfg.data.seq_len),
         micro_batch_size=cfg.data.micro_batch_size,
         num_batches=settings.eval_batches,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
+        dp_rank=val_rank,
+        dp_size=val_size,
+        replica_groups=groups,
     )
     train = TrainBatches(train_windows, sampler, prefetch=cfg.data.get("prefetch", False), pin_memory=pin_memory)
     return train, val_batches

@@ -20,6 +20,7 @@ from distrain.checkpoint.checkpointer import Checkpointer, rng_snapshot, set_rng
 from distrain.config.schema import TrainerConfig
 from distrain.data.sampler import Batch, TrainBatches
 from distrain.errors import ArtifactError, CheckpointSpaceError
+from distrain.ft.replicas import ReplicaGroups
 from distrain.launch.process_group import is_collective_timeout, is_peer_failure
 from distrain.monitor.profiler import StepProfiler
 from distrain.monitor.system import peak_memory_bytes
@@ -46,14 +47,22 @@ class TrainState:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
 
-def loop_state(state: TrainState, data: TrainBatches) -> dict[str, Any]:
-    """The loop's part of a checkpoint (the strategy saves model, optimizer, scheduler and scaler)."""
-    return {"train": state.state_dict(), "data": data.state_dict()}
+def loop_state(state: TrainState, data: TrainBatches, replica_groups: ReplicaGroups | None = None) -> dict[str, Any]:
+    """The loop's part of a checkpoint (the strategy saves model, optimizer, scheduler and scaler); with replica
+    groups also the quorum's step (``ft``)."""
+    saved = {"train": state.state_dict(), "data": data.state_dict()}
+    if replica_groups is not None:
+        saved["ft"] = replica_groups.state_dict()
+    return saved
 
 
-def restore_loop_state(loaded: dict[str, Any], state: TrainState, data: TrainBatches) -> None:
+def restore_loop_state(
+    loaded: dict[str, Any], state: TrainState, data: TrainBatches, replica_groups: ReplicaGroups | None = None
+) -> None:
     state.load_state_dict(loaded["train"])
     data.load_state_dict(loaded["data"])
+    if replica_groups is not None and "ft" in loaded:
+        replica_groups.load_state_dict(loaded["ft"])
 
 
 @torch.no_grad()
@@ -117,7 +126,9 @@ class _Loop:
     window: LogWindow
     profiler: StepProfiler
     device: torch.device
+    replica_groups: ReplicaGroups | None = None
     skipped_steps: int = 0
+    dropped_steps: int = 0  # ft=torchft: steps the quorum did not commit (a group failed during them), run again
     logged_losses: list[float] = field(default_factory=list)
     val_loss: float | None = None  # None until the first validation (a run stopped before it has none)
 
@@ -135,6 +146,7 @@ def train(
     window: LogWindow,
     profiler: StepProfiler,
     device: torch.device,
+    replica_groups: ReplicaGroups | None = None,
 ) -> dict[str, Any]:
     """Run optimizer steps until ``settings.max_steps``.
 
@@ -147,6 +159,7 @@ def train(
     loop = _Loop(
         strategy=strategy, data=data, val_batches=val_batches, state=state, settings=settings, reporter=reporter,
         checkpointer=checkpointer, agreement=agreement, window=window, profiler=profiler, device=device,
+        replica_groups=replica_groups,
     )  # fmt: skip
     window.restart()
     while state.step < settings.max_steps:
@@ -167,6 +180,9 @@ def _step(loop: _Loop) -> None:
     """One optimizer step, then what falls due after it: logging, evaluation, a checkpoint."""
     state, settings, window, strategy = loop.state, loop.settings, loop.window, loop.strategy
     marks = {"step_start": window.clock.mark()}
+    if loop.replica_groups is not None:  # the step's quorum; a group behind takes a peer's state (and step) here
+        loop.replica_groups.begin_step()
+        position = loop.data.state_dict()
     try:
         micro_batches = loop.data.next_step()
     except ArtifactError as err:  # read before any of the step's collectives: see _settle
@@ -174,6 +190,13 @@ def _step(loop: _Loop) -> None:
     marks["data_ready"] = window.clock.mark()
     maybe_inject_delay(dist.get_rank())
     result = strategy.train_step(micro_batches)
+    if not result.committed:  # a replica group failed during the step: run it again with the groups still alive
+        loop.data.load_state_dict(position)
+        loop.dropped_steps += 1
+        log.warning(
+            "step %d not committed by the replica groups' quorum (a group failed); running it again", state.step + 1
+        )
+        return
     loop.skipped_steps += result.skipped
     if result.skipped:
         log.warning("step %d: non-finite gradient norm, update skipped", state.step + 1)
@@ -197,8 +220,8 @@ def _step(loop: _Loop) -> None:
         loop.reporter.advance(state.step)
     # After the step's record: a job killed between the two resumes from the checkpoint before, and rewinds and
     # re-logs this step; killed the other way round, it would resume after a step whose record was never written.
-    if loop.checkpointer.due(state.step, final=final):
-        loop.checkpointer.save(state.step, strategy, loop_state(state, loop.data), blocking=final)
+    if loop.checkpointer.due(state.step, final=final) and _saves(loop):
+        loop.checkpointer.save(state.step, strategy, _loop_state(loop), blocking=final)
     window.exclude(time.perf_counter() - paused)  # evaluation and checkpoints stay out of throughput
     maybe_inject_fault(dist.get_rank(), state.step)
 
@@ -232,8 +255,8 @@ def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool
         log.error("no emergency checkpoint: %s", timeout)
         raise failure from timeout
     if verdict.failed_rank is not None:
-        if checkpointer.emergency:
-            extra = loop_state(state, loop.data)
+        if checkpointer.emergency and _saves(loop):
+            extra = _loop_state(loop)
             _emergency_checkpoint(verdict=verdict, checkpointer=checkpointer, strategy=strategy, extra=extra)
         if failure is not None:
             raise failure
@@ -244,8 +267,8 @@ def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool
         return False
     if loop.window.steps:
         loop.reporter.log({"step": state.step, **loop.window.close(), "lr": strategy.current_lr()})
-    if checkpointer.last_saved_step != state.step:
-        checkpointer.save(state.step, strategy, loop_state(state, loop.data))
+    if checkpointer.last_saved_step != state.step and _saves(loop):
+        checkpointer.save(state.step, strategy, _loop_state(loop))
     if loop.reporter.enabled:  # one line for the run: every rank stopped at this step and saved its part
         log.warning(
             "stopping at step %d on %s; checkpoint saved in %s",
@@ -254,6 +277,15 @@ def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool
             checkpointer.dir,
         )
     return True
+
+
+def _saves(loop: _Loop) -> bool:
+    """Whether this rank's group writes checkpoints: always, but with replica groups only the quorum's first."""
+    return loop.replica_groups is None or loop.replica_groups.saves_checkpoints()
+
+
+def _loop_state(loop: _Loop) -> dict[str, Any]:
+    return loop_state(loop.state, loop.data, loop.replica_groups)
 
 
 def _summary(loop: _Loop, started: float, started_at: float) -> dict[str, Any]:
@@ -265,6 +297,7 @@ def _summary(loop: _Loop, started: float, started_at: float) -> dict[str, Any]:
         "steps": loop.state.step,
         "stopped_by": stop.signal_name if stop is not None else None,
         "skipped_steps": loop.skipped_steps,
+        "dropped_steps": loop.dropped_steps,
         "first_logged_loss": loop.logged_losses[0] if loop.logged_losses else None,
         "final_train_loss": loop.logged_losses[-1] if loop.logged_losses else None,
         "final_val_loss": loop.val_loss,

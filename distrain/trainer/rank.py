@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.errors import RUN_ERROR_FILE, RunError
+from distrain.ft.replicas import group_run_dir
 from distrain.launch.process_group import (
     DistEnv,
     configure_logging,
@@ -47,17 +48,25 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
     """One rank's work; returns the run's summary. Collective throughout (every rank runs it)."""
     cfg = OmegaConf.create(cfg_dict)
     env = init_distributed(**{k: cfg.distributed[k] for k in ("device", "backend", "timeout_s", "threads_per_rank")})
-    completed, run = False, None
+    completed, run, replica_groups = False, None, None
     try:
         shared = [run_dir, run_name, run_group]
         dist.broadcast_object_list(shared, src=0)  # under torchrun only rank 0 composed the real run directory
         run_dir, run_name, run_group = shared
+        run_dir = group_run_dir(run_dir)  # ft=torchft: each replica group's own log and metrics
         configure_logging(env.rank, Path(run_dir) / "train.log")
         run = build(cfg, env, run_dir)
         if env.is_main:
             log.info(run.data.sampler.describe(cfg.data.seq_len))
         state = TrainState()
+        replica_groups = run.replica_groups
+        if replica_groups is not None:
+            connect_replica_groups(run, state)
         resumed_from = resume(run, state)
+        if replica_groups is not None:
+            replica_groups.join()  # a group that (re)starts while others train takes their state here
+            if replica_groups.healed_at is not None and env.is_main:
+                log.warning("replica group %d joined at step %d with a peer's state", replica_groups.group, state.step)
         run.reporter.start(
             run_name=run_name, run_group=run_group, config=cfg_dict, initial_step=state.step, resumed_from=resumed_from
         )
@@ -84,6 +93,8 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
     finally:
         if not completed and run is not None:
             run.reporter.fail()  # the bar closed and each tracker's run marked failed before the error is shown
+        if replica_groups is not None:
+            replica_groups.shutdown()
         shutdown_distributed(graceful=completed)
         # Interpreter teardown would otherwise spend seconds per rank collecting torch's objects one by one.
         gc.freeze()
@@ -96,10 +107,30 @@ def resume(run: RankRun, state: TrainState) -> str | None:
     resume_from = run.checkpointer.resume_path()
     if resume_from is None:
         return None
-    loaded = Checkpointer.load(resume_from, run.strategy, loop_state(state, run.data))
-    restore_loop_state(loaded, state, run.data)
+    from distrain.checkpoint.data_only import holds_replica_state  # imports DCP: only when resuming
+
+    # The quorum's step is restored where the checkpoint holds it (one written with ft=torchft), else it is the
+    # loop's step: the groups' Managers count committed steps from there.
+    groups = run.replica_groups if run.replica_groups is not None and holds_replica_state(resume_from) else None
+    loaded = Checkpointer.load(resume_from, run.strategy, loop_state(state, run.data, groups))
+    restore_loop_state(loaded, state, run.data, groups)
+    if run.replica_groups is not None and groups is None:
+        run.replica_groups.load_state_dict({"step": state.step, "batches_committed": 0})
     log.info("resumed from %s at step %d", resume_from, state.step)
     return str(resume_from)
+
+
+def connect_replica_groups(run: RankRun, state: TrainState) -> None:
+    """ft=torchft: this rank's Manager, with what a healing group copies from this one and how it takes it."""
+
+    def save() -> dict[str, Any]:
+        return {"strategy": run.strategy.replica_state(), "loop": loop_state(state, run.data)}
+
+    def load(healed: dict[str, Any]) -> None:
+        run.strategy.load_replica_state(healed["strategy"])
+        restore_loop_state(healed["loop"], state, run.data)
+
+    run.replica_groups.connect(save, load)
 
 
 def train_run(cfg: DictConfig, env: DistEnv, run: RankRun, state: TrainState, run_dir: str) -> dict[str, Any]:
@@ -107,6 +138,8 @@ def train_run(cfg: DictConfig, env: DistEnv, run: RankRun, state: TrainState, ru
     throughout: every step's gradient exchange and agreement, evaluation, checkpoints
     (``distrain.trainer.loop.train``)."""
     stop = StopRequest().install()
+    if run.replica_groups is not None:  # a signal to one group stops every group at the same step
+        run.replica_groups.stop = stop
     agreement = StepAgreement(
         stop=stop, timeout_s=cfg.distributed.timeout_s, failure_timeout_s=run.checkpointer.emergency_timeout_s
     )
@@ -130,6 +163,7 @@ def train_run(cfg: DictConfig, env: DistEnv, run: RankRun, state: TrainState, ru
             window=run.window,
             profiler=profiler,
             device=env.device,
+            replica_groups=run.replica_groups,
         )
     stop.uninstall()
     return summary | run_facts(cfg, env, run)
@@ -144,6 +178,7 @@ def run_facts(cfg: DictConfig, env: DistEnv, run: RankRun) -> dict[str, Any]:
         "parallelism": run.strategy.name,
         "layout": layout_description(cfg.parallelism, layout),
         "comm": cfg.comm.name,
+        "replica_groups": run.replica_groups.count if run.replica_groups is not None else 1,
         "optimizer": cfg.optimizer._target_.rsplit(".", 1)[-1],
         "precision": cfg.precision.name,
         "model_parameters": run.model_parameters,

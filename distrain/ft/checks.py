@@ -1,0 +1,88 @@
+"""``ft=torchft``'s own checks, run once in the launching process before any rank or group starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from urllib.parse import urlsplit
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from distrain.config.checks import ConfigError, at_least, check, positive
+from distrain.config.options import Placement
+from distrain.launch.ranks import inside_launcher
+from distrain.parallelism.capabilities import capabilities_of
+
+INSTALL = "pip install -e '.[ft]' (torchft==0.2.0)"
+
+
+def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
+    """torchft installed; groups that divide the ranks; a layout and comm option a group can run; the lighthouse."""
+    try:
+        installed = importlib.util.find_spec("torchft") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        installed = False
+    if not installed:
+        raise ConfigError("ft", "torchft", f"none, or install torchft first: {INSTALL}")
+    groups = cfg.ft.replica_groups
+    check(cfg, "ft.replica_groups", at_least(1), "an integer >= 1")
+    if placement.world_size % groups:
+        raise ConfigError(
+            "ft.replica_groups",
+            groups,
+            f"a divisor of the job's {placement.world_size} ranks (distributed.nproc_per_node): the ranks split "
+            "evenly into the groups",
+        )
+    check(cfg, "ft.min_replicas", lambda v: isinstance(v, int) and 1 <= v <= groups, f"an integer in 1..{groups}")
+    check(cfg, "ft.max_restarts", at_least(0), "an integer >= 0")
+    for key in (
+        "ft.timeout_s",
+        "ft.quorum_timeout_s",
+        "ft.join_timeout_ms",
+        "ft.heartbeat_timeout_ms",
+        "ft.quorum_tick_ms",
+    ):
+        check(cfg, key, positive, "a number > 0")
+    if not capabilities_of(cfg.parallelism).replica_groups:
+        raise ConfigError(
+            "parallelism",
+            cfg.parallelism.name,
+            "ddp with ft=torchft (each replica group runs DistributedDataParallel inside it; torchft's Manager "
+            "averages across the groups); or ft=none",
+        )
+    if getattr(instantiate(cfg.comm), "local_steps", False):
+        raise ConfigError(
+            "comm",
+            cfg.comm.name,
+            "an option that all-reduces gradients with ft=torchft (this one exchanges each rank's update after "
+            "its optimizer step, which the groups' gradient average would skip)",
+        )
+    if inside_launcher() and not placement.planning:
+        raise ConfigError(
+            "ft",
+            "torchft",
+            "started by python train.py itself (it starts one process set per replica group), not under "
+            "torchrun or srun",
+        )
+    if cfg.ft.lighthouse and not placement.planning:
+        problem = lighthouse_problem(cfg.ft.lighthouse)
+        if problem:
+            raise ConfigError("ft.lighthouse", cfg.ft.lighthouse, f"a reachable torchft lighthouse: {problem}")
+    return []
+
+
+def lighthouse_problem(address: str, timeout_s: float = 3.0) -> str | None:
+    """Why ``address`` (http://host:port) is not a lighthouse this machine can reach, or None."""
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None:
+        return "an address http://host:port"
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            return None
+    except OSError as err:
+        return f"{parts.hostname}:{port} does not answer ({err.strerror or err})"

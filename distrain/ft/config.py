@@ -1,0 +1,31 @@
+"""The ``ft`` group's schemas: whether a failure stops the job (``none``) or only its replica group (``torchft``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class NoReplicaGroupsConfig:
+    """One job, one failure domain: a failed rank stops every rank (then requeue or ``distributed.max_restarts``)."""
+
+    name: str = "none"
+    replica_groups: int = 1
+
+
+@dataclass(kw_only=True)
+class TorchFTConfig:
+    """torchft replica groups: the ranks split into ``replica_groups`` groups that average gradients through torchft's
+    Manager; a group that dies is restarted and heals from a live peer while the others keep stepping."""
+
+    _target_: str = "distrain.ft.replicas.ReplicaGroups"
+    name: str = "torchft"
+    replica_groups: int = 2  # groups the ranks split into evenly; each runs the parallelism layout inside it
+    min_replicas: int = 1  # a step commits only when at least this many groups took part
+    lighthouse: str | None = None  # an external lighthouse (http://host:port); None: the launcher embeds one
+    max_restarts: int = 3  # times the launcher restarts one group's ranks after they fail
+    timeout_s: float = 30.0  # cross-group all-reduce, should_commit and healing transfers
+    quorum_timeout_s: float = 120.0  # waiting for a quorum (covers a restarting group's start-up)
+    join_timeout_ms: int = 1000  # embedded lighthouse: how long a quorum waits for groups that have not joined
+    heartbeat_timeout_ms: int = 2000  # embedded lighthouse: silence after which a group counts as dead
+    quorum_tick_ms: int = 10  # embedded lighthouse: how often it checks whether a quorum is ready (each step has one)

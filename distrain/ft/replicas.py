@@ -1,0 +1,182 @@
+"""One rank's side of ``ft=torchft``: its replica group's torchft Manager, which averages gradients across groups,
+decides each step's commit with the quorum, and heals a restarted group from a live peer.
+
+Where tensors live: gradients are flattened into one CPU (or device) buffer per step and all-reduced over torchft's
+process group, which joins rank r of every group in the quorum (rank r of each group holds the same data-parallel
+position inside its group). A healing group receives the peer's model, optimizer, scheduler and loop state over
+torchft's HTTP transport, in memory: no checkpoint is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from distrain.ft.checks import check_replica_groups
+from distrain.trainer.preemption import StopRequest
+
+log = logging.getLogger("distrain.train")
+
+# Set by the launcher (distrain.ft.launch) in each group's supervisor, inherited by that group's ranks.
+REPLICA_GROUP_ENV = "DISTRAIN_REPLICA_GROUP"
+START_STORE_ENV = "DISTRAIN_REPLICA_START"  # host:port of the launcher's store where the groups meet at the start
+HEALING_KEY = "distrain"
+
+
+def replica_group() -> int | None:
+    """This process's replica group under ``ft=torchft`` (None outside one)."""
+    value = os.environ.get(REPLICA_GROUP_ENV)
+    return int(value) if value is not None else None
+
+
+class ReplicaGroups:
+    """The ``ft=torchft`` option: settings from the config, the Manager once ``connect`` runs on a rank."""
+
+    check_config = staticmethod(check_replica_groups)
+
+    def __init__(
+        self,
+        *,
+        name: str = "torchft",
+        replica_groups: int,
+        min_replicas: int,
+        lighthouse: str | None,
+        max_restarts: int,
+        timeout_s: float,
+        quorum_timeout_s: float,
+        join_timeout_ms: int,
+        heartbeat_timeout_ms: int,
+        quorum_tick_ms: int,
+    ) -> None:
+        self.name, self.count, self.min_replicas, self.lighthouse = name, replica_groups, min_replicas, lighthouse
+        self.max_restarts, self.timeout_s, self.quorum_timeout_s = max_restarts, timeout_s, quorum_timeout_s
+        self.join_timeout_ms, self.heartbeat_timeout_ms = join_timeout_ms, heartbeat_timeout_ms
+        self.quorum_tick_ms = quorum_tick_ms
+        self.group = replica_group() or 0
+        self.manager: Any = None
+        self._quorum_started = False
+        self.healed_at: int | None = None  # the step this group took from a peer when it (re)joined
+        self.stop: StopRequest | None = None  # the rank's stop-signal record (set by the trainer)
+
+    def data_parallel(self, inside: tuple[int, int]) -> tuple[int, int]:
+        """This rank's (position, size) on the job's data-parallel axis: the groups are its outer part, so group g's
+        ranks read the shards a plain data-parallel job's ranks g*size..(g+1)*size-1 would read."""
+        rank, size = inside
+        return self.group * size + rank, self.count * size
+
+    def connect(self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
+        """Create this rank's Manager (rank 0 of the group also starts the group's manager server, which talks to
+        the lighthouse). ``save``/``load`` give and take the state a healing peer copies."""
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        # torchft logs each quorum and commit; its errors still show (a failed peer, a failed heal).
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        timeout = timedelta(seconds=self.timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=self.min_replicas,
+            use_async_quorum=False,  # a healed group must hold the peer's state before its forward pass
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+            connect_timeout=timeout,
+            replica_id=f"distrain_group{self.group}",
+            lighthouse_addr=self.lighthouse,
+            init_sync=False,  # every group seeds the same initial weights
+        )
+        self.manager.register_state_dict_fn(HEALING_KEY, load, save)
+
+    def join(self) -> None:
+        """The first quorum, before the run's reporting starts: a group that (re)starts while others train takes
+        their state here (step, data position, model, optimizer). The first step then uses this quorum."""
+        from distrain.launch.ranks import restarted_attempt
+
+        if not restarted_attempt():
+            self._meet_the_other_groups()
+        before = self.manager.current_step()
+        self.manager.start_quorum()
+        self._quorum_started = True
+        if self.manager.current_step() != before:
+            self.healed_at = self.manager.current_step()
+
+    def _meet_the_other_groups(self) -> None:
+        """At the job's start, wait until every group has its Manager (its rank 0 heartbeats to the lighthouse), so
+        the first quorum holds them all. A restarted group skips this: the others are training."""
+        address = os.environ.get(START_STORE_ENV)
+        if not address or self.manager._group_rank != 0:
+            return
+        from torch.distributed import TCPStore
+
+        host, port = address.rsplit(":", 1)
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.quorum_timeout_s))
+        store.add("groups_connected", 1)
+        deadline = time.monotonic() + self.quorum_timeout_s
+        while int(store.add("groups_connected", 0)) < self.count and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def begin_step(self) -> None:
+        """Start the step's quorum (blocking): it may reconfigure the cross-group process group after a group
+        left or joined, and heal this group when it is behind."""
+        if self._quorum_started:
+            self._quorum_started = False
+            return
+        self.manager.start_quorum()
+
+    def average(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Average ``tensors`` in place across the groups of this step's quorum (one all-reduce of one flat buffer),
+        then ask the quorum whether the step commits. False: a group failed during the step (the tensors may be
+        partial); the caller drops the step and runs it again."""
+        # One more entry carries whether a stop signal reached this group: then every group stops after this step
+        # (at one step, where the first group saves), as the ranks of one job do.
+        stopping = self.stop is not None and self.stop.signal_name is not None
+        flag = torch.full((1,), float(stopping), dtype=tensors[0].dtype, device=tensors[0].device)
+        flat = _flatten_dense_tensors([*tensors, flag])
+        self.manager.allreduce(flat).wait()
+        committed = self.manager.should_commit()
+        if committed:
+            for tensor, averaged in zip(tensors, _unflatten_dense_tensors(flat, list(tensors)), strict=False):
+                tensor.copy_(averaged)
+            if flat[-1] > 0 and not stopping and self.stop is not None:
+                self.stop.signal_name = "a signal to another replica group"
+        return committed
+
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def saves_checkpoints(self) -> bool:
+        """One group writes the job's checkpoints: rank 0 of the current quorum (any group, after group 0 died)."""
+        return self.manager.participating_rank() == 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The quorum's step and committed batches, saved in checkpoints."""
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.manager.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+
+def group_run_dir(run_dir: str) -> str:
+    """Where this rank's group writes its log and metrics: the run directory for group 0 (and without groups),
+    ``replica_group_<g>/`` inside it for the others."""
+    group = replica_group()
+    if not group:
+        return run_dir
+    path = Path(run_dir) / f"replica_group_{group}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)

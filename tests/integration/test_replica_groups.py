@@ -1,0 +1,174 @@
+"""ft=torchft through train.py: two replica groups train as one DDP job does; a group killed by SIGKILL is restarted
+and heals from the live group while that group keeps stepping; a stop signal stops both groups at one step and the
+job resumes from its checkpoint exactly; bad ft settings are refused in one line before any rank starts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from helpers import FAST, REPO, run_train
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
+
+STEPS = 40
+COMMON = [*FAST, f"trainer.max_steps={STEPS}", "trainer.eval_every=0", "distributed.nproc_per_node=2"]
+GROUPS = ["ft=torchft", "ft.replica_groups=2"]
+SLOW_STEPS = {"DISTRAIN_INJECT_DELAY": "0:0.1"}  # rank 0 of each group sleeps 0.1 s per step: room for the kill
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+
+
+def summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def plain_ddp(tmp_path_factory):
+    """The same job without replica groups: DDP over the same two ranks."""
+    root = tmp_path_factory.mktemp("ddp")
+    result = run_train([*COMMON, "hydra.run.dir=run"], root)
+    assert result.returncode == 0, result.stderr
+    return root / "run"
+
+
+def test_two_groups_train_as_one_ddp_job(tmp_path, plain_ddp):
+    result = run_train([*COMMON, *GROUPS, "hydra.run.dir=run"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    reference = losses(plain_ddp)
+    for group_dir in (run, run / "replica_group_1"):  # each group logs the job's loss, averaged across groups
+        assert losses(group_dir).keys() == reference.keys()
+        for step, loss in losses(group_dir).items():
+            assert loss == pytest.approx(reference[step], rel=1e-5), step
+    assert summary(run)["final_val_loss"] == pytest.approx(summary(plain_ddp)["final_val_loss"], rel=1e-5)
+    assert summary(run)["replica_groups"] == 2 and summary(run)["dropped_steps"] == 0
+    assert {r["replica_groups"] for r in records(run)} == {2.0}
+
+
+def group_ranks(launcher, group):
+    """The rank processes of one replica group: children of that group's fork server."""
+    ranks = []
+    for process in launcher.children(recursive=True):
+        try:
+            if "multiprocessing.forkserver" in " ".join(process.cmdline()):
+                if process.environ().get("DISTRAIN_REPLICA_GROUP") == str(group):
+                    ranks += process.children()
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
+
+
+def run_until(tmp_path, args, when, act, timeout=240):
+    """Start train.py, call ``act(launcher)`` once ``when()`` holds, and wait for the end."""
+    command = [sys.executable, str(REPO / "train.py"), *args]
+    with subprocess.Popen(
+        command, cwd=tmp_path, env={**os.environ, **SLOW_STEPS}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    ) as process:  # fmt: skip
+        try:
+            deadline, acted = time.monotonic() + timeout, False
+            while process.poll() is None and time.monotonic() < deadline:
+                if not acted and when():
+                    act(psutil.Process(process.pid))
+                    acted = True
+                time.sleep(0.05)
+            stdout, stderr = process.communicate(timeout=max(1, deadline - time.monotonic()))
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    assert acted, stderr
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def reached(metrics, step):
+    def check():
+        try:
+            lines = metrics.read_text().splitlines()
+            return bool(lines) and json.loads(lines[-1])["step"] >= step
+        except (OSError, ValueError):
+            return False
+
+    return check
+
+
+def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp_path, plain_ddp):
+    run = tmp_path / "run"
+    killed = []
+
+    def kill_group_1(launcher):
+        ranks = group_ranks(launcher, 1)
+        assert ranks
+        for rank in ranks:
+            rank.send_signal(signal.SIGKILL)
+        killed.extend(rank.pid for rank in ranks)
+
+    result = run_until(
+        tmp_path, [*COMMON, *GROUPS, "hydra.run.dir=run"], reached(run / "replica_group_1" / "metrics.jsonl", 10),
+        kill_group_1,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    survivor = records(run)
+    assert [r["step"] for r in survivor] == list(range(1, STEPS + 1))  # group 0 never stopped nor repeated a step
+    alone = [r["step"] for r in survivor if r["replica_groups"] < 2]
+    assert alone, "the outage must show in the survivor's metrics"
+    assert summary(run)["dropped_steps"] <= 1  # at most the step the group died in, run again
+    rejoined = records(run / "replica_group_1")
+    steps = [r["step"] for r in rejoined]
+    assert steps[-1] == STEPS and len(steps) < STEPS  # it skipped the steps it was away for: no rewind, no repeat
+    log = (run / "replica_group_1" / "train.log").read_text()
+    assert "joined at step" in log and "resumed from" not in log  # healed from the peer, not a checkpoint
+    # The outage trained some steps on half the global batch: close to the uninterrupted job, not equal.
+    assert summary(run)["final_val_loss"] == pytest.approx(summary(plain_ddp)["final_val_loss"], rel=0.02)
+
+
+def test_a_stop_signal_stops_every_group_at_one_step_and_resume_is_exact(tmp_path, plain_ddp):
+    run = tmp_path / "run"
+    args = [*COMMON, *GROUPS, "checkpoint=default", "checkpoint.every_n_steps=0", "hydra.run.dir=run"]
+    stopped = run_until(tmp_path, args, reached(run / "metrics.jsonl", 8), lambda p: p.send_signal(signal.SIGTERM))
+    assert stopped.returncode == 143, stopped.stderr
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    assert len(saved) == 1
+    step = int(saved[0].split("_")[1])
+    assert records(run)[-1]["step"] == records(run / "replica_group_1")[-1]["step"] == step
+    resumed = run_train([*args, "checkpoint.resume=auto"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    reference = losses(plain_ddp)
+    for at, loss in losses(run).items():
+        assert loss == pytest.approx(reference[at], rel=1e-5), at
+    assert summary(run)["final_val_loss"] == pytest.approx(summary(plain_ddp)["final_val_loss"], rel=1e-5)
+
+
+HIDE_TORCHFT = "import sys; sys.modules['torchft'] = None\n"
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["ft.replica_groups=3"], "ft.replica_groups=3 is not allowed: a divisor of the job's 2 ranks"),
+        (["parallelism=fsdp"], "parallelism='fsdp' is not allowed: ddp with ft=torchft"),
+        (["comm=topk"], "comm='topk' is not allowed: an option that all-reduces gradients"),
+        (["ft.lighthouse=http://127.0.0.1:9"], "ft.lighthouse='http://127.0.0.1:9' is not allowed: a reachable"),
+        ([], "ft='torchft' is not allowed: none, or install torchft first: pip install -e '.[ft]'"),
+    ],
+    ids=["groups", "layout", "comm", "lighthouse", "not-installed"],
+)
+def test_bad_ft_settings_are_refused_in_one_line(tmp_path, args, line):
+    env = None
+    if not args:  # torchft not importable
+        (tmp_path / "sitecustomize.py").write_text(HIDE_TORCHFT)
+        env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = run_train([*COMMON, *GROUPS, *args], tmp_path, env=env)
+    assert result.returncode == 2, result.stderr
+    assert line in result.stderr
+    assert "Traceback" not in result.stderr
