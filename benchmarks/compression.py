@@ -1,5 +1,7 @@
 """Gradient compression side by side: bytes each rank sends, validation loss, and the quality guard's error, for
-dense DDP, bf16, PowerSGD and top-k (of the update, and of the gradient with either feedback), on one job.
+dense DDP, bf16, PowerSGD, top-k (of the update, and of the gradient with either feedback) and DiLoCo (its outer
+steps every H inner steps, streaming fragments, and its pseudo-gradients compressed by top-k or PowerSGD), on one
+job.
 
 Runs `train.py` once per option on the default model and data (the out-of-the-box run), 2 CPU ranks unless told
 otherwise, and reads each run's summary.json and metrics.jsonl. Bytes are distrain's ``grad_bytes_sent`` (the
@@ -10,12 +12,18 @@ Pareto front dashed).
 
     python benchmarks/compression.py                        # 200 steps, 2 ranks
     python benchmarks/compression.py --steps 100 --world-size 4 --out-dir benchmarks/results
+    python benchmarks/compression.py --job llama_tokens --out-dir benchmarks/results   # model=llama_tiny data=tokens
+
+``--job llama_tokens`` first tokenises the standard library's Python files with ``python -m distrain.data.prepare``
+(BPE, vocabulary 4096) and runs dense, the top-k and PowerSGD defaults and the DiLoCo rows on ``model=llama_tiny``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -40,11 +48,38 @@ OPTIONS = {
         "comm.warmup_start_density=1.0",
     ],
     "top-k 0.1% (update), sync_every=0": ["comm=topk", "comm.density=0.001", "comm.sync_every=0"],
+    "diloco H=50 (the paper's outer Nesterov, lr 0.7)": ["comm=diloco"],
+    "diloco H=10": ["comm=diloco", "comm.sync_every=10"],
+    "diloco H=10, outer lr 1 without momentum (local SGD)": [
+        "comm=diloco",
+        "comm.sync_every=10",
+        "comm.outer_lr=1.0",
+        "comm.outer_momentum=0",
+        "comm.nesterov=false",
+    ],
+    "diloco H=10, 5 streaming fragments": ["comm=diloco", "comm.sync_every=10", "comm.fragments=5"],
+    "diloco H=10, pseudo-gradient top-k 10%": [
+        "comm=diloco",
+        "comm.sync_every=10",
+        "comm.compression=topk",
+        "comm.density=0.1",
+    ],
+    "diloco H=10, pseudo-gradient powersgd rank 4": [
+        "comm=diloco",
+        "comm.sync_every=10",
+        "comm.compression=powersgd",
+        "comm.rank=4",
+    ],
 }
+# The rows of the --job llama_tokens table: the defaults of each family and the DiLoCo ones.
+LLAMA_ROWS = [DENSE, "powersgd rank 4", "top-k 1% (update, the default)"] + [
+    n for n in OPTIONS if n.startswith("diloco")
+]
 
 
-def run(overrides: list[str], steps: int, world: int, run_dir: Path) -> dict:
+def run(overrides: list[str], steps: int, world: int, run_dir: Path, job: list[str]) -> dict:
     args = [
+        *job,
         *overrides,
         f"distributed.nproc_per_node={world}",
         f"trainer.max_steps={steps}",
@@ -92,13 +127,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=None, help="write compression.md and compression.png here")
+    parser.add_argument("--job", choices=["default", "llama_tokens"], default="default")
     args = parser.parse_args()
     header = "| option | MiB / rank / step | fewer bytes | val loss | vs dense | train loss | guard error | step (s) |"
     rows = [header, "|---|---|---|---|---|---|---|---|"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for index, (name, overrides) in enumerate(OPTIONS.items()):
-            results[name] = r = run(overrides, args.steps, args.world_size, Path(tmp) / str(index))
+        job, options, name_of_job = [], OPTIONS, "default model and data"
+        if args.job == "llama_tokens":
+            job = ["model=llama_tiny", "data=tokens", f"data.path={prepared(Path(tmp) / 'tokens')}"]
+            options, name_of_job = (
+                {n: OPTIONS[n] for n in LLAMA_ROWS},
+                "model=llama_tiny, data=tokens (stdlib BPE 4096)",
+            )
+        for index, (name, overrides) in enumerate(options.items()):
+            results[name] = r = run(overrides, args.steps, args.world_size, Path(tmp) / str(index), job)
             dense = results[DENSE]
             error = "-" if r["error"] is None else f"{r['error']:.2f}"
             rows.append(
@@ -107,11 +150,24 @@ def main() -> None:
                 f" | {r['step_time_s']:.3f} ({r['step_time_s'] / dense['step_time_s']:.2f}x) |"
             )
             print(rows[-1], flush=True)
-    title = f"default model and data, {args.world_size} CPU ranks (gloo), {args.steps} steps"
-    publish(title, rows, args.out_dir, "compression")
+    title = f"{name_of_job}, {args.world_size} CPU ranks (gloo), {args.steps} steps"
+    name = "compression" if args.job == "default" else f"compression_{args.job}"
+    publish(title, rows, args.out_dir, name)
     if args.out_dir is not None:
-        pareto_plot(results, title, args.out_dir / "compression.png")
-        print(f"wrote {args.out_dir / 'compression.png'}")
+        pareto_plot(results, title, args.out_dir / f"{name}.png")
+        print(f"wrote {args.out_dir / f'{name}.png'}")
+
+
+def prepared(out: Path) -> Path:
+    """A token dataset of the standard library's Python files (BPE, vocabulary 4096)."""
+    from distrain.data.corpus import stdlib_source_files
+
+    files = [str(path) for path in stdlib_source_files()]
+    command = [sys.executable, "-m", "distrain.data.prepare", "--out", str(out), "--input", *files]
+    done = subprocess.run([*command, "--vocab-size", "4096"], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"prepare failed:\n{done.stderr[-3000:]}")
+    return out
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from distrain.config.choices import choices
 
 CommDtype = choices("CommDtype", "bfloat16", "float16")
 TopKFeedback = choices("TopKFeedback", "update", "estimate", "residual")
+OuterCompression = choices("OuterCompression", "none", "topk", "powersgd")
 
 
 @dataclass(kw_only=True)
@@ -75,3 +76,20 @@ class HierarchicalCommConfig(DDPCommConfig):
     _target_: str = "distrain.comm.hierarchical.HierarchicalComm"
     name: str = "hierarchical"
     ranks_per_node: int | None = None  # None: the launcher's LOCAL_WORLD_SIZE (torchrun, SLURM tasks per node)
+
+
+@dataclass(kw_only=True)
+class DiLoCoCommConfig(DDPCommConfig):
+    """DiLoCo: each rank takes ``sync_every`` inner steps on its own, then the ranks average their pseudo-gradients
+    and an outer Nesterov SGD steps the shared model; ``fragments`` > 1 is Streaming DiLoCo."""
+
+    _target_: str = "distrain.comm.diloco.DiLoCoComm"
+    name: str = "diloco"
+    sync_every: int = 50  # inner steps between outer steps (H)
+    outer_lr: float = 0.7  # the DiLoCo paper's outer learning rate
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1  # > 1: streaming, fragment f syncs after inner step (f+1)*H/fragments of each cycle
+    compression: OuterCompression = OuterCompression.none  # of the pseudo-gradient: none | topk | powersgd
+    density: float = 0.01  # compression=topk: share of entries sent, with error feedback
+    rank: int = 4  # compression=powersgd: rank of each weight matrix's factors, with error feedback

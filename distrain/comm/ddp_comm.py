@@ -48,6 +48,9 @@ class DDPComm:
     # (``comm=topk comm.feedback=update``): the strategy then clips with a norm all ranks share, keeps the
     # optimizer's state per rank, and calls ``finish_update`` after the optimizer step.
     local_steps = False
+    # With local_steps: whether the ranks clip with one shared norm (top-k's local clipping, one scalar all-reduce
+    # per step) or each its own gradient with the whole threshold (DiLoCo's inner steps: no collective).
+    shared_clip_norm = True
 
     def __init__(self, *, name: str, bucket_cap_mb: float, gradient_as_bucket_view: bool, static_graph: bool) -> None:
         self.name = name

@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from distrain.comm.config import (
     CastCommConfig,
     DDPCommConfig,
+    DiLoCoCommConfig,
     HierarchicalCommConfig,
     PowerSGDCommConfig,
     TopKCommConfig,
@@ -302,6 +303,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "powersgd": PowerSGDCommConfig,
         "topk": TopKCommConfig,
         "hierarchical": HierarchicalCommConfig,
+        "diloco": DiLoCoCommConfig,
     },
     "checkpoint": {"dcp": CheckpointConfig},
     "ft": {"none": NoReplicaGroupsConfig, "torchft": TorchFTConfig},

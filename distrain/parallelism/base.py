@@ -342,7 +342,7 @@ class LocalBackwardStrategy:
     def clip_gradients(self) -> torch.Tensor:
         """Unscale, then clip to the global norm; returns the norm before clipping (computed either way)."""
         self.scaler.unscale_(self.optimizer)
-        if self.ctx.comm.local_steps:
+        if self.ctx.comm.local_steps and self.ctx.comm.shared_clip_norm:
             return clip_local_gradients(self.model.parameters(), self.ctx.grad_clip_norm, self.ctx.env.world_size)
         max_norm = self.ctx.grad_clip_norm if self.ctx.grad_clip_norm > 0 else float("inf")
         norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

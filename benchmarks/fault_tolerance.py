@@ -1,0 +1,154 @@
+"""ft=torchft under real failures: replica groups killed by SIGKILL while the job trains, measured against the same job
+uninterrupted.
+
+Runs `train.py ft=torchft ft.replica_groups=G` on the default model and data (G groups of one CPU rank each), once
+uninterrupted and once per scenario: one kill of group 1, and a soak with several kills of random groups (group 0,
+the one whose metrics are the run's, included) at random steps. Each kill SIGKILLs every rank of the group; its
+supervisor's elastic agent restarts them and they heal from a live group. Reported per scenario:
+
+- steps lost by the survivors: steps the quorum did not commit and the survivors ran again (``dropped_steps``);
+- the outage: steps the other groups trained without the killed group (they use the smaller global batch);
+- time to rejoin: from the SIGKILL to the restarted group's "joined at step" line (start-up, quorum, healing);
+- the final validation loss against the uninterrupted run (every group validates on the whole validation set).
+
+    python benchmarks/fault_tolerance.py                                  # 200 steps, 2 groups, 4 soak kills
+    python benchmarks/fault_tolerance.py --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from common import REPO, metrics, publish
+
+DELAY = "0:0.05"  # every group's rank 0 sleeps 50 ms per step: the default job's steps are shorter than a restart
+
+
+def group_ranks(launcher: psutil.Process, group: int) -> list[psutil.Process]:
+    """The rank processes of one replica group: the children of that group's fork server."""
+    ranks = []
+    for process in launcher.children(recursive=True):
+        try:
+            forkserver = "multiprocessing.forkserver" in " ".join(process.cmdline())
+            if forkserver and process.environ().get("DISTRAIN_REPLICA_GROUP") == str(group):
+                ranks += process.children()
+        except psutil.NoSuchProcess:
+            continue
+    return ranks
+
+
+def last_step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def group_dir(run_dir: Path, group: int) -> Path:
+    return run_dir if group == 0 else run_dir / f"replica_group_{group}"
+
+
+def joins(run_dir: Path, group: int) -> int:
+    log = group_dir(run_dir, group) / "train.log"
+    return log.read_text().count("joined at step") if log.exists() else 0
+
+
+def run(args: list[str], run_dir: Path, kills: list[tuple[int, int]], groups: int) -> dict:
+    """Train with ``kills`` = [(step, group)]: at each step (read from group 0's metrics), SIGKILL that group's
+    ranks, then wait for it to rejoin before the next kill."""
+    command = [sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "DISTRAIN_INJECT_DELAY": DELAY}
+    events = []
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        launcher, pending, waiting = psutil.Process(process.pid), list(kills), None
+        while process.poll() is None:
+            if waiting is not None:  # (group, killed_at, joins before, step)
+                group, killed_at, before, step = waiting
+                if joins(run_dir, group) > before:
+                    events.append({"group": group, "step": step, "rejoin_s": time.monotonic() - killed_at})
+                    waiting = None
+            elif pending and last_step(run_dir) >= pending[0][0]:
+                step, group = pending.pop(0)
+                ranks = group_ranks(launcher, group)
+                before = joins(run_dir, group)
+                for rank in ranks:
+                    rank.send_signal(signal.SIGKILL)
+                waiting = (group, time.monotonic(), before, step)
+            time.sleep(0.02)
+        _, stderr = process.communicate()
+    if process.returncode != 0:
+        sys.exit(f"train.py failed:\n{stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    outage = sum(1 for r in metrics(run_dir) if r.get("replica_groups", groups) < groups)
+    for event in events:
+        joined = re.findall(r"joined at step (\d+)", (group_dir(run_dir, event["group"]) / "train.log").read_text())
+        event["missed"] = int(joined[-1]) - event["step"] if joined else None
+    return {"summary": summary, "events": events, "outage_steps": outage}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--soak-kills", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=None, help="write fault_tolerance.md here")
+    args = parser.parse_args()
+    common = [
+        "ft=torchft",
+        f"ft.replica_groups={args.groups}",
+        f"distributed.nproc_per_node={args.groups}",
+        f"trainer.max_steps={args.steps}",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "trainer.progress_bar=false",
+        "checkpoint=none",
+        "logger=none",
+    ]
+    draw = random.Random(args.seed)
+    spacing = args.steps // (args.soak_kills + 1)
+    soak = [
+        (spacing * (i + 1) - draw.randrange(spacing // 2), draw.randrange(args.groups)) for i in range(args.soak_kills)
+    ]
+    scenarios = {
+        "uninterrupted": [],
+        f"group 1 killed at step {args.steps // 4}": [(args.steps // 4, 1)],
+        f"soak: {len(soak)} kills {soak}": soak,
+    }
+    header = (
+        "| scenario | kills | steps lost (survivors) | outage steps | rejoin (s) | final val loss | vs uninterrupted |"
+    )
+    rows = [header, "|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {}
+        for index, (name, kills) in enumerate(scenarios.items()):
+            results[name] = r = run(common, Path(tmp) / str(index), kills, args.groups)
+            reference = results["uninterrupted"]["summary"]["final_val_loss"]
+            rejoin = ", ".join(f"{e['rejoin_s']:.1f}" for e in r["events"]) or "-"
+            val = r["summary"]["final_val_loss"]
+            rows.append(
+                f"| {name} | {len(r['events'])} | {r['summary']['dropped_steps']} | {r['outage_steps']} | {rejoin} "
+                f"| {val:.4f} | {val / reference - 1:+.2%} |"
+            )
+            print(rows[-1], flush=True)
+    title = (
+        f"default model and data, {args.groups} replica groups of 1 CPU rank (gloo), {args.steps} steps, "
+        f"rank 0 of each group sleeping {DELAY.split(':')[1]} s per step (DISTRAIN_INJECT_DELAY)"
+    )
+    publish(title, rows, args.out_dir, "fault_tolerance")
+
+
+if __name__ == "__main__":
+    main()

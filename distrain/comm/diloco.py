@@ -1,0 +1,275 @@
+"""``comm=diloco``: DiLoCo (arXiv 2311.08105) and its streaming form (2501.18512) over the job's data-parallel ranks.
+
+Each rank is a worker: its inner optimizer (the ``optimizer`` group's) steps on the rank's own gradient, and no
+gradient travels. Every ``sync_every`` steps the workers average their *pseudo-gradient*, the outer parameters
+minus the rank's parameters, and an outer optimizer (SGD with Nesterov momentum, lr 0.7 and momentum 0.9 as the
+paper) steps the outer parameters with it; every rank then continues from them. With ``fragments=F`` the
+parameters split into F contiguous fragments, synchronised in turn (fragment f after inner step (f+1)*H/F of each
+cycle), so the bytes of one sync are spread over the cycle (Streaming DiLoCo's lower peak bandwidth).
+
+The pseudo-gradient can itself be compressed (``compression``): ``topk`` sends the ``density`` share of entries
+with the largest magnitude as (value, index) pairs, with error feedback (what is not sent is added to the next
+sync's pseudo-gradient); ``powersgd`` sends each weight matrix as rank-``rank`` factors (one power iteration, warm
+started, with error feedback), vectors whole.
+
+Where tensors live: the outer parameters, their momentum and the residuals are flat fp32 tensors on the
+parameters' device, one per fragment. Collectives: only at a fragment's sync, one all-reduce of its pseudo-gradient
+(dense), an all-gather of (value, index) pairs (topk) or two all-reduces of factors plus one of the vectors
+(powersgd). Steps the loop evaluates or checkpoints after, and the last, synchronise every fragment, so
+evaluations, checkpoints and the final model are the outer model, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from distrain.comm.checks import check_averaging
+from distrain.comm.ddp_comm import DDPComm
+from distrain.comm.topk import copy_from_flat, flatten
+from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
+from distrain.config.checks import ConfigError, at_least, check, positive
+from distrain.launch.process_group import DistEnv
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from distrain.config.options import Placement
+
+
+
+class DiLoCoComm(DDPComm):
+    """DiLoCo's inner and outer steps (module docstring). The strategy treats it as an option whose ranks step on
+    their own gradients (``local_steps``): each rank keeps its inner optimizer's state (in checkpoints too) and
+    clips its own gradient with the whole threshold (``shared_clip_norm`` False: no collective per inner step)."""
+
+    local_steps = True
+    shared_clip_norm = False
+
+    def __init__(
+        self,
+        *,
+        sync_every: int,
+        outer_lr: float,
+        outer_momentum: float,
+        nesterov: bool,
+        fragments: int,
+        compression: str,
+        density: float,
+        rank: int,
+        **ddp: Any,
+    ) -> None:
+        super().__init__(**ddp)
+        self.sync_every, self.fragments, self.compression = sync_every, fragments, compression
+        self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
+        self.density, self.rank_of_factors = density, rank
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, placement: Placement) -> list[str]:
+        check_averaging(cfg, as_hook=True)
+        comm = cfg.comm
+        check(cfg, "comm.sync_every", at_least(1), "an integer >= 1 (inner steps between outer steps)")
+        check(cfg, "comm.fragments", at_least(1), "an integer >= 1")
+        if comm.sync_every % comm.fragments:
+            raise ConfigError(
+                "comm.fragments", comm.fragments, f"a divisor of comm.sync_every ({comm.sync_every}): one fragment "
+                "syncs every sync_every/fragments steps"
+            )  # fmt: skip
+        check(cfg, "comm.outer_lr", positive, "a learning rate > 0 (the DiLoCo paper's 0.7)")
+        check(cfg, "comm.outer_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)")
+        if comm.nesterov and comm.outer_momentum == 0:
+            raise ConfigError("comm.nesterov", True, "false when comm.outer_momentum is 0 (Nesterov needs momentum)")
+
+        check(cfg, "comm.density", lambda v: v is not None and 0 < v <= 1, "a fraction in (0, 1]")
+        check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the pseudo-gradient's factors)")
+        return []
+
+    def prepare(self, model: DistributedDataParallel, env: DistEnv) -> None:
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        self.groups = _split(params, self.fragments)
+        self.outer = [flatten(group).float() for group in self.groups]
+        self.momentum = [torch.zeros_like(outer) for outer in self.outer]
+        self.residual = [torch.zeros_like(outer) for outer in self.outer] if self.compression != "none" else []
+        self.dense_numel = sum(p.numel() for p in params)
+        self._factors: dict[tuple[int, int], torch.Tensor] = {}  # powersgd's warm-started Q per (fragment, matrix)
+
+    def average_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """No collective: the bucket keeps this rank's gradient, for this rank's inner optimizer."""
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    def checking(self) -> bool:
+        return False
+
+    @torch.no_grad()
+    def finish_update(self, *, stepped: bool = True) -> dict[str, Any]:
+        """After the inner step: the outer step of each fragment due now (every fragment on a step the loop
+        evaluates or checkpoints after, or the last). The report's ``update_dropped`` is True when a pseudo-gradient
+        mean was not finite: that fragment returns to its outer parameters, unchanged."""
+        del stepped  # a skipped inner step changes nothing here: the fragment syncs what the rank holds
+        dropped = False
+        every = self.is_exact_step(self.step)
+        for index in range(self.fragments):
+            if every or self._due(index):
+                launched = self.clock.mark()
+                dropped |= not self._outer_step(index)
+                self.intervals.append((launched, self.clock.mark()))
+        self.dense_bytes = all_reduce_bytes(self.dense_numel * 4, self.world_size)
+        return {
+            "comm_bytes": self.bytes_sent,
+            "comm_dense_bytes": self.dense_bytes,
+            "comm_intervals": self.intervals,
+            "comm_after_backward": self.intervals,
+            "update_dropped": dropped,
+        }
+
+    def _due(self, index: int) -> bool:
+        """Fragment ``index`` syncs after inner step (index+1)*H/F of each cycle of H steps."""
+        return (self.step - (index + 1) * self.sync_every // self.fragments) % self.sync_every == 0
+
+    def _outer_step(self, index: int) -> bool:
+        params, outer, momentum = self.groups[index], self.outer[index], self.momentum[index]
+        pseudo_gradient = outer - flatten(params).float()
+        mean = self._average(index, pseudo_gradient)
+        if not bool(torch.isfinite(mean).all()):
+            copy_from_flat(params, outer)
+            return False
+        momentum.mul_(self.outer_momentum).add_(mean)
+        outer.sub_(self.outer_lr * (mean + self.outer_momentum * momentum if self.nesterov else momentum))
+        copy_from_flat(params, outer)
+        return True
+
+    def _average(self, index: int, pseudo_gradient: torch.Tensor) -> torch.Tensor:
+        """The ranks' mean pseudo-gradient, as this option's compression sends it (error feedback kept here)."""
+        if self.compression == "none":
+            vector = pseudo_gradient / self.world_size
+            self.bytes_sent += all_reduce_bytes(vector.numel() * 4, self.world_size)
+            dist.all_reduce(vector)
+            return vector
+        candidate = pseudo_gradient + self.residual[index]
+        sent = self._topk(candidate) if self.compression == "topk" else self._powersgd(index, candidate)
+        mine, mean = sent
+        self.residual[index] = candidate - mine
+        return mean
+
+    def _topk(self, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what this rank sent, the ranks' mean): an all-gather of its top-k (value, int32 index) pairs."""
+        k = min(candidate.numel(), max(1, math.ceil(self.density * candidate.numel())))
+        indices = candidate.abs().topk(k).indices
+        values = candidate[indices]
+        gathered_values = [torch.empty_like(values) for _ in range(self.world_size)]
+        gathered_indices = [torch.empty_like(indices, dtype=torch.int32) for _ in range(self.world_size)]
+        dist.all_gather(gathered_values, values)
+        dist.all_gather(gathered_indices, indices.to(torch.int32))
+        self.bytes_sent += all_gather_bytes(k * 8, self.world_size)
+        mean = torch.zeros_like(candidate)
+        for rank_values, rank_indices in zip(gathered_values, gathered_indices, strict=True):  # in rank order
+            mean.index_add_(0, rank_indices.long(), rank_values)
+        mine = torch.zeros_like(candidate)
+        mine[indices] = values
+        return mine, mean / self.world_size
+
+    def _powersgd(self, index: int, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what this rank's factors stand for, the ranks' mean): each weight matrix M as P Q^T with P = mean(M Q)
+        orthonormalised and Q = mean(M^T P) (two all-reduces for all matrices), vectors all-reduced whole."""
+        matrices, vectors, offset = [], [], 0
+        for param in self.groups[index]:
+            piece = candidate[offset : offset + param.numel()]
+            (matrices if param.dim() >= 2 else vectors).append((offset, piece.view(param.shape[0], -1)))
+            offset += param.numel()
+        mine, mean = torch.zeros_like(candidate), torch.zeros_like(candidate)
+        if vectors:
+            flat = torch.cat([piece.reshape(-1) for _, piece in vectors])
+            summed = self._all_reduce_mean(flat)
+            self._scatter(mine, vectors, flat)
+            self._scatter(mean, vectors, summed)
+        if matrices:
+            qs = [self._warm_q(index, i, m) for i, (_, m) in enumerate(matrices)]
+            ps = self._all_reduce_mean(torch.cat([(m @ q).reshape(-1) for (_, m), q in zip(matrices, qs, strict=True)]))
+            ps = [
+                torch.linalg.qr(p)[0]
+                for p in _split_as(ps, [(m.shape[0], q.shape[1]) for (_, m), q in zip(matrices, qs, strict=True)])
+            ]
+            new_qs = self._all_reduce_mean(
+                torch.cat([(m.T @ p).reshape(-1) for (_, m), p in zip(matrices, ps, strict=True)])
+            )
+            new_qs = _split_as(new_qs, [q.shape for q in qs])
+            for i, ((at, m), p, q) in enumerate(zip(matrices, ps, new_qs, strict=True)):
+                self._factors[(index, i)] = q
+                mean[at : at + m.numel()] = (p @ q.T).reshape(-1)
+                mine[at : at + m.numel()] = (p @ (m.T @ p).T).reshape(-1)
+        return mine, mean
+
+    def _warm_q(self, index: int, position: int, matrix: torch.Tensor) -> torch.Tensor:
+        """The matrix's Q from its last sync, or the same random start on every rank."""
+        key = (index, position)
+        if key not in self._factors:
+            generator = torch.Generator().manual_seed(1000 * index + position)
+            rank = min(self.rank_of_factors, *matrix.shape)
+            start = torch.randn(matrix.shape[1], rank, generator=generator).to(matrix.device)
+            self._factors[key] = torch.linalg.qr(start)[0]
+        return self._factors[key]
+
+    def _all_reduce_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        flat = flat / self.world_size
+        self.bytes_sent += all_reduce_bytes(flat.numel() * 4, self.world_size)
+        dist.all_reduce(flat)
+        return flat
+
+    @staticmethod
+    def _scatter(target: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], flat: torch.Tensor) -> None:
+        offset = 0
+        for at, piece in pieces:
+            target[at : at + piece.numel()] = flat[offset : offset + piece.numel()]
+            offset += piece.numel()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Live tensors a checkpoint keeps for an exact resume: the outer parameters and momentum, the residuals
+        (with compression) and this rank's own parameters (between syncs each rank's differ from the model the
+        checkpoint holds once); a load fills them in place and ``on_resume`` puts them back."""
+        self._local = [flatten(group).float() for group in self.groups]
+        state = {f"outer{i}": outer for i, outer in enumerate(self.outer)}
+        state |= {f"momentum{i}": momentum for i, momentum in enumerate(self.momentum)}
+        state |= {f"local{i}": local for i, local in enumerate(self._local)}
+        return state | {f"residual{i}": residual for i, residual in enumerate(self.residual)}
+
+    def on_resume(self, step: int, restored: bool) -> None:
+        """Restored: this rank's parameters back from its own state. Not (another world size, another comm option
+        saved it): the loaded model becomes the outer model, with no momentum."""
+        super().on_resume(step, restored)
+        self._factors.clear()
+        if restored:
+            with torch.no_grad():
+                for group, local in zip(self.groups, self._local, strict=True):
+                    copy_from_flat(group, local)
+            return
+        self.outer = [flatten(group).float() for group in self.groups]
+        for momentum in self.momentum:
+            momentum.zero_()
+        for residual in self.residual:
+            residual.zero_()
+
+
+def _split(params: list[torch.nn.Parameter], fragments: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive parameters in ``fragments`` groups of about equal size (each at least one parameter)."""
+    total = sum(p.numel() for p in params)
+    groups: list[list[torch.nn.Parameter]] = [[] for _ in range(min(fragments, len(params)))]
+    seen = 0
+    for param in params:
+        index = min(len(groups) - 1, seen * len(groups) // total)
+        groups[index].append(param)
+        seen += param.numel()
+    return [group for group in groups if group]
+
+
+def _split_as(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    pieces, offset = [], 0
+    for rows, cols in shapes:
+        pieces.append(flat[offset : offset + rows * cols].view(rows, cols))
+        offset += rows * cols
+    return pieces
