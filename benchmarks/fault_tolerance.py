@@ -7,7 +7,8 @@ the one whose metrics are the run's, included) at random steps. Each kill SIGKIL
 supervisor's elastic agent restarts them and they heal from a live group. Reported per scenario:
 
 - steps lost by the survivors: steps the quorum did not commit and the survivors ran again (``dropped_steps``);
-- the outage: steps the other groups trained without the killed group (they use the smaller global batch);
+- the outage: steps of group 0's metrics that ran with fewer groups (the smaller global batch), or that group 0
+  missed while it was the one killed;
 - time to rejoin: from the SIGKILL to the restarted group's "joined at step" line (start-up, quorum, healing);
 - the final validation loss against the uninterrupted run (every group validates on the whole validation set).
 
@@ -71,7 +72,8 @@ def run(args: list[str], run_dir: Path, kills: list[tuple[int, int]], groups: in
     command = [sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "DISTRAIN_INJECT_DELAY": DELAY}
     events = []
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+    output = (run_dir.parent / f"{run_dir.name}.log").open("w+")  # a pipe left unread would fill and stop the run
+    with subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True) as process:
         launcher, pending, waiting = psutil.Process(process.pid), list(kills), None
         while process.poll() is None:
             if waiting is not None:  # (group, killed_at, joins before, step)
@@ -80,18 +82,22 @@ def run(args: list[str], run_dir: Path, kills: list[tuple[int, int]], groups: in
                     events.append({"group": group, "step": step, "rejoin_s": time.monotonic() - killed_at})
                     waiting = None
             elif pending and last_step(run_dir) >= pending[0][0]:
-                step, group = pending.pop(0)
-                ranks = group_ranks(launcher, group)
-                before = joins(run_dir, group)
-                for rank in ranks:
-                    rank.send_signal(signal.SIGKILL)
-                waiting = (group, time.monotonic(), before, step)
+                ranks = group_ranks(launcher, pending[0][1])
+                if ranks:  # none while its fork server is being restarted: try again at the next poll
+                    step, group = pending.pop(0)
+                    before = joins(run_dir, group)
+                    for rank in ranks:
+                        rank.send_signal(signal.SIGKILL)
+                    waiting = (group, time.monotonic(), before, step)
             time.sleep(0.02)
-        _, stderr = process.communicate()
+    output.seek(0)
+    text = output.read()
+    output.close()
     if process.returncode != 0:
-        sys.exit(f"train.py failed:\n{stderr[-3000:]}")
+        sys.exit(f"train.py failed:\n{text[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    outage = sum(1 for r in metrics(run_dir) if r.get("replica_groups", groups) < groups)
+    records = metrics(run_dir)
+    outage = sum(1 for r in records if r.get("replica_groups", groups) < groups) + summary["steps"] - len(records)
     for event in events:
         joined = re.findall(r"joined at step (\d+)", (group_dir(run_dir, event["group"]) / "train.log").read_text())
         event["missed"] = int(joined[-1]) - event["step"] if joined else None
@@ -117,10 +123,13 @@ def main() -> None:
         "checkpoint=none",
         "logger=none",
     ]
+    # Kills at random steps, one per stretch of the run, of each group in turn (group 0 writes the run's metrics
+    # and, while it lives, the checkpoints; a run with it killed must end the same).
     draw = random.Random(args.seed)
     spacing = args.steps // (args.soak_kills + 1)
     soak = [
-        (spacing * (i + 1) - draw.randrange(spacing // 2), draw.randrange(args.groups)) for i in range(args.soak_kills)
+        (spacing * (i + 1) - draw.randrange(max(1, spacing // 2)), (i + 1) % args.groups)
+        for i in range(args.soak_kills)
     ]
     scenarios = {
         "uninterrupted": [],

@@ -33,13 +33,13 @@ from distrain.comm.ddp_comm import DDPComm
 from distrain.comm.topk import copy_from_flat, flatten
 from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
 from distrain.config.checks import ConfigError, at_least, check, positive
+from distrain.errors import RunError
 from distrain.launch.process_group import DistEnv
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from distrain.config.options import Placement
-
 
 
 class DiLoCoComm(DDPComm):
@@ -86,7 +86,7 @@ class DiLoCoComm(DDPComm):
 
         check(cfg, "comm.density", lambda v: v is not None and 0 < v <= 1, "a fraction in (0, 1]")
         check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the pseudo-gradient's factors)")
-        return []
+        return _extra_sync_notes(cfg)
 
     def prepare(self, model: DistributedDataParallel, env: DistEnv) -> None:
         params = [p for p in model.module.parameters() if p.requires_grad]
@@ -96,6 +96,8 @@ class DiLoCoComm(DDPComm):
         self.residual = [torch.zeros_like(outer) for outer in self.outer] if self.compression != "none" else []
         self.dense_numel = sum(p.numel() for p in params)
         self._factors: dict[tuple[int, int], torch.Tensor] = {}  # powersgd's warm-started Q per (fragment, matrix)
+        if self.compression == "powersgd":
+            self._start_factors()
 
     def average_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """No collective: the bucket keeps this rank's gradient, for this rank's inner optimizer."""
@@ -133,29 +135,30 @@ class DiLoCoComm(DDPComm):
         return (self.step - (index + 1) * self.sync_every // self.fragments) % self.sync_every == 0
 
     def _outer_step(self, index: int) -> bool:
+        """One fragment's sync: the mean pseudo-gradient, then the outer Nesterov step; returns whether it was
+        applied (a mean that is not finite, the same on every rank, leaves the outer state and residual as they
+        were and puts the fragment back at its outer parameters)."""
         params, outer, momentum = self.groups[index], self.outer[index], self.momentum[index]
         pseudo_gradient = outer - flatten(params).float()
-        mean = self._average(index, pseudo_gradient)
+        mean, residual = self._average(index, pseudo_gradient)
         if not bool(torch.isfinite(mean).all()):
             copy_from_flat(params, outer)
             return False
+        if residual is not None:
+            self.residual[index].copy_(residual)
         momentum.mul_(self.outer_momentum).add_(mean)
         outer.sub_(self.outer_lr * (mean + self.outer_momentum * momentum if self.nesterov else momentum))
         copy_from_flat(params, outer)
         return True
 
-    def _average(self, index: int, pseudo_gradient: torch.Tensor) -> torch.Tensor:
-        """The ranks' mean pseudo-gradient, as this option's compression sends it (error feedback kept here)."""
+    def _average(self, index: int, pseudo_gradient: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ranks' mean pseudo-gradient as this option's compression sends it, and with compression the new
+        residual (what this rank did not send, kept for the next sync)."""
         if self.compression == "none":
-            vector = pseudo_gradient / self.world_size
-            self.bytes_sent += all_reduce_bytes(vector.numel() * 4, self.world_size)
-            dist.all_reduce(vector)
-            return vector
+            return self._all_reduce_mean(pseudo_gradient), None
         candidate = pseudo_gradient + self.residual[index]
-        sent = self._topk(candidate) if self.compression == "topk" else self._powersgd(index, candidate)
-        mine, mean = sent
-        self.residual[index] = candidate - mine
-        return mean
+        mine, mean = self._topk(candidate) if self.compression == "topk" else self._powersgd(index, candidate)
+        return mean, candidate - mine
 
     def _topk(self, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(what this rank sent, the ranks' mean): an all-gather of its top-k (value, int32 index) pairs."""
@@ -189,7 +192,7 @@ class DiLoCoComm(DDPComm):
             self._scatter(mine, vectors, flat)
             self._scatter(mean, vectors, summed)
         if matrices:
-            qs = [self._warm_q(index, i, m) for i, (_, m) in enumerate(matrices)]
+            qs = [self._factors[(index, i)] for i in range(len(matrices))]
             ps = self._all_reduce_mean(torch.cat([(m @ q).reshape(-1) for (_, m), q in zip(matrices, qs, strict=True)]))
             ps = [
                 torch.linalg.qr(p)[0]
@@ -200,20 +203,21 @@ class DiLoCoComm(DDPComm):
             )
             new_qs = _split_as(new_qs, [q.shape for q in qs])
             for i, ((at, m), p, q) in enumerate(zip(matrices, ps, new_qs, strict=True)):
-                self._factors[(index, i)] = q
+                self._factors[(index, i)].copy_(q)
                 mean[at : at + m.numel()] = (p @ q.T).reshape(-1)
                 mine[at : at + m.numel()] = (p @ (m.T @ p).T).reshape(-1)
         return mine, mean
 
-    def _warm_q(self, index: int, position: int, matrix: torch.Tensor) -> torch.Tensor:
-        """The matrix's Q from its last sync, or the same random start on every rank."""
-        key = (index, position)
-        if key not in self._factors:
-            generator = torch.Generator().manual_seed(1000 * index + position)
-            rank = min(self.rank_of_factors, *matrix.shape)
-            start = torch.randn(matrix.shape[1], rank, generator=generator).to(matrix.device)
-            self._factors[key] = torch.linalg.qr(start)[0]
-        return self._factors[key]
+    def _start_factors(self) -> None:
+        """Each weight matrix's Q: the same random orthonormal start on every rank (live tensors, checkpointed)."""
+        for index, group in enumerate(self.groups):
+            matrices = [p for p in group if p.dim() >= 2]
+            for position, param in enumerate(matrices):
+                columns = param.numel() // param.shape[0]
+                rank = min(self.rank_of_factors, param.shape[0], columns)
+                generator = torch.Generator().manual_seed(1000 * index + position)
+                start = torch.randn(columns, rank, generator=generator)
+                self._factors[(index, position)] = torch.linalg.qr(start)[0].to(param.device)
 
     def _all_reduce_mean(self, flat: torch.Tensor) -> torch.Tensor:
         flat = flat / self.world_size
@@ -229,42 +233,71 @@ class DiLoCoComm(DDPComm):
             offset += piece.numel()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Live tensors a checkpoint keeps for an exact resume: the outer parameters and momentum, the residuals
-        (with compression) and this rank's own parameters (between syncs each rank's differ from the model the
-        checkpoint holds once); a load fills them in place and ``on_resume`` puts them back."""
+        """Live tensors a checkpoint keeps for an exact resume: the outer parameters and momentum, the residuals and
+        PowerSGD's factors (with compression) and this rank's own parameters (between syncs each rank's differ from
+        the model the checkpoint holds once); a load fills them in place and ``on_resume`` puts them back. The keys
+        name the number of fragments: a checkpoint of another split is not read as this one's."""
         self._local = [flatten(group).float() for group in self.groups]
-        state = {f"outer{i}": outer for i, outer in enumerate(self.outer)}
-        state |= {f"momentum{i}": momentum for i, momentum in enumerate(self.momentum)}
-        state |= {f"local{i}": local for i, local in enumerate(self._local)}
-        return state | {f"residual{i}": residual for i, residual in enumerate(self.residual)}
+        prefix = f"fragments{len(self.groups)}_"
+        state: dict[str, torch.Tensor] = {}
+        for i in range(len(self.groups)):
+            state |= {f"{prefix}outer{i}": self.outer[i], f"{prefix}momentum{i}": self.momentum[i]}
+            state[f"{prefix}local{i}"] = self._local[i]
+            if self.residual:
+                state[f"{prefix}residual{i}"] = self.residual[i]
+        return state | {f"{prefix}factor{i}_{j}": q for (i, j), q in self._factors.items()}
 
     def on_resume(self, step: int, restored: bool) -> None:
         """Restored: this rank's parameters back from its own state. Not (another world size, another comm option
-        saved it): the loaded model becomes the outer model, with no momentum."""
+        or split saved it): the loaded model becomes the outer model, with no momentum, residual or warm start."""
         super().on_resume(step, restored)
-        self._factors.clear()
         if restored:
             with torch.no_grad():
                 for group, local in zip(self.groups, self._local, strict=True):
                     copy_from_flat(group, local)
             return
         self.outer = [flatten(group).float() for group in self.groups]
-        for momentum in self.momentum:
-            momentum.zero_()
-        for residual in self.residual:
-            residual.zero_()
+        for state in (*self.momentum, *self.residual):
+            state.zero_()
+        if self._factors:
+            self._start_factors()
+
+
+def _extra_sync_notes(cfg: DictConfig) -> list[str]:
+    """Evaluations and periodic checkpoints sync every fragment (an extra outer step with momentum) at steps that
+    are not multiples of comm.sync_every: say so, since training then depends on when they happen."""
+    period = cfg.comm.sync_every // cfg.comm.fragments
+    notes = []
+    for key, every in (
+        ("trainer.eval_every", cfg.trainer.eval_every),
+        ("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps),
+    ):
+        if every and every % period:
+            notes.append(
+                f"comm=diloco: {key}={every} is not a multiple of comm.sync_every/comm.fragments ({period}); each "
+                "evaluation or checkpoint there adds an outer step of every fragment, so training depends on it"
+            )
+    return notes
 
 
 def _split(params: list[torch.nn.Parameter], fragments: int) -> list[list[torch.nn.Parameter]]:
-    """Consecutive parameters in ``fragments`` groups of about equal size (each at least one parameter)."""
+    """Consecutive parameters in ``fragments`` non-empty groups of about equal size in elements; where one tensor
+    spans several groups' share (a large embedding), of about equal numbers of tensors instead."""
+    if len(params) < fragments:
+        raise RunError(
+            f"comm.fragments={fragments} is not allowed: at most the model's {len(params)} trainable tensors"
+        )
     total = sum(p.numel() for p in params)
-    groups: list[list[torch.nn.Parameter]] = [[] for _ in range(min(fragments, len(params)))]
+    groups: list[list[torch.nn.Parameter]] = [[] for _ in range(fragments)]
     seen = 0
     for param in params:
-        index = min(len(groups) - 1, seen * len(groups) // total)
-        groups[index].append(param)
+        groups[min(fragments - 1, seen * fragments // total)].append(param)
         seen += param.numel()
-    return [group for group in groups if group]
+    if all(groups):
+        return groups
+    per_group, extra = divmod(len(params), fragments)
+    starts = [i * per_group + min(i, extra) for i in range(fragments + 1)]
+    return [params[starts[i] : starts[i + 1]] for i in range(fragments)]
 
 
 def _split_as(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:

@@ -224,7 +224,9 @@ def validation_batches(
 
     The set is the same for every run with the same batch settings, so validation losses are comparable. Every rank
     gets the same number of micro-batches (sharded strategies run collectives in each forward); a validation split
-    smaller than one micro-batch per rank is used round robin, windows repeating.
+    smaller than one micro-batch per rank is used round robin, windows repeating. With ``replica_groups`` (ft=torchft:
+    ``dp_rank``/``dp_size`` are the position inside one group) each group takes the set a job of all the groups'
+    ranks would share, ``replica_groups`` times as many micro-batches per rank.
     """
     per_step = micro_batch_size * dp_size
     # With replica groups (ft=torchft) each group validates on the set all of the job's ranks would share.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -29,3 +30,9 @@ class TorchFTConfig:
     join_timeout_ms: int = 1000  # embedded lighthouse: how long a quorum waits for groups that have not joined
     heartbeat_timeout_ms: int = 2000  # embedded lighthouse: silence after which a group counts as dead
     quorum_tick_ms: int = 10  # embedded lighthouse: how often it checks whether a quorum is ready (each step has one)
+
+
+def has_replica_groups(cfg: Any) -> bool:
+    """Whether the config's ``ft`` option runs replica groups (it names a class to build: ``ft=torchft`` or a user's
+    own); ``ft=none`` names none."""
+    return bool(cfg.ft.get("_target_"))

@@ -13,9 +13,12 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -73,44 +76,73 @@ def run_replica_groups(
         with _forwarded_signals([process for process, _ in pending.values()]):
             for process, _ in pending.values():
                 process.start()
-            outcomes = _collect(pending)
+            outcomes = _collect(pending, ft.timeout_s, partial(_final_checkpoint_written, rank_args[0]))
     finally:
         if lighthouse is not None:
             lighthouse.shutdown()
     return _job_result(outcomes)
 
 
-def _collect(pending: dict[int, tuple[Any, Connection]]) -> dict[int, tuple[str, Any]]:
-    """Each group's outcome as its supervisor sent it, or ("failed", why) when it died without sending one."""
+def _collect(
+    pending: dict[int, tuple[Any, Connection]], grace_s: float, final_saved: Callable[[], bool]
+) -> dict[int, tuple[str, Any]]:
+    """Each group's outcome as its supervisor sent it, or ("failed", why) when it died without sending one. Once a
+    group has finished the run, the others get ``grace_s`` to finish too; a group still running then (restarted
+    after the others were done, it would train the whole run again alone) is stopped, but never before the run's
+    final checkpoint is complete (``final_saved``: the group writing it may be the one still running)."""
     outcomes: dict[int, tuple[str, Any]] = {}
-    pending = dict(pending)
+    pending, deadline = dict(pending), None
     while pending:
-        ready = set(wait([reader for _, reader in pending.values()] + [p.sentinel for p, _ in pending.values()]))
+        waitables = [reader for _, reader in pending.values()] + [process.sentinel for process, _ in pending.values()]
+        ready = set(wait(waitables, timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
         for group, (process, reader) in list(pending.items()):
-            if reader not in ready and process.sentinel not in ready:
+            outcome = _outcome(process, reader) if reader in ready or process.sentinel in ready else None
+            if outcome is None and deadline is not None and time.monotonic() >= deadline and final_saved():
+                os.killpg(process.pid, signal.SIGKILL)  # the supervisor leads its own process group
+                outcome = ("cut", "another group had finished the run")
+            if outcome is None:
                 continue
-            try:
-                outcomes[group] = reader.recv() if reader.poll() else None
-            except EOFError:
-                outcomes[group] = None
-            if outcomes[group] is None:
-                if process.is_alive():
-                    del outcomes[group]
-                    continue
-                outcomes[group] = ("failed", f"its supervisor exited with status {process.exitcode}")
+            outcomes[group] = outcome
             process.join()
             del pending[group]
+            if outcome[0] == "ok" and deadline is None:
+                deadline = time.monotonic() + grace_s
     return outcomes
 
 
+def _final_checkpoint_written(cfg_dict: dict[str, Any]) -> bool:
+    """Whether the run's last checkpoint is on disk, complete (or the run writes none at its end)."""
+    from distrain.checkpoint.steps import checkpoint_step, newest_valid
+
+    checkpoint = cfg_dict["checkpoint"]
+    if not checkpoint.get("save_final") or not checkpoint.get("dir"):
+        return True
+    newest = newest_valid(Path(checkpoint["dir"]), report=False)
+    return newest is not None and checkpoint_step(newest) >= cfg_dict["trainer"]["max_steps"]
+
+
+def _outcome(process: Any, reader: Connection) -> tuple[str, Any] | None:
+    """What a group's supervisor sent; ("failed", why) if it exited without sending; None while it runs."""
+    try:
+        if reader.poll():
+            return reader.recv()
+    except EOFError:
+        pass
+    if process.is_alive():
+        return None
+    return ("failed", f"its supervisor exited with status {process.exitcode}")
+
+
 def _job_result(outcomes: dict[int, tuple[str, Any]]) -> dict[int, Any]:
+    for group, (kind, value) in sorted(outcomes.items()):
+        if kind == "failed":
+            log.warning("replica group %d failed for good (ft.max_restarts reached): %s", group, value)
+        elif kind == "cut":
+            log.warning("replica group %d was stopped: %s", group, value)
     stopped = [value for kind, value in outcomes.values() if kind == "stopped"]
     if stopped:
         raise SignalException(f"stopped by {stopped[0]}", getattr(signal, stopped[0]))
     finished = {group: value for group, (kind, value) in sorted(outcomes.items()) if kind == "ok"}
-    for group, (kind, value) in sorted(outcomes.items()):
-        if kind == "failed":
-            log.warning("replica group %d failed for good (ft.max_restarts reached): %s", group, value)
     if not finished:
         raise RunError(next(value for kind, value in outcomes.values() if kind == "failed"))
     return {0: finished.get(0, next(iter(finished.values())))}

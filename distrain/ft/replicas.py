@@ -64,7 +64,7 @@ class ReplicaGroups:
         self.manager: Any = None
         self._quorum_started = False
         self.healed_at: int | None = None  # the step this group took from a peer when it (re)joined
-        self.stop: StopRequest | None = None  # the rank's stop-signal record (set by the trainer)
+        self.stop: AgreedStop | None = None  # what the group's step-end agreement reads (``agreed_stop``)
 
     def data_parallel(self, inside: tuple[int, int]) -> tuple[int, int]:
         """This rank's (position, size) on the job's data-parallel axis: the groups are its outer part, so group g's
@@ -82,6 +82,7 @@ class ReplicaGroups:
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.ERROR)
         timeout = timedelta(seconds=self.timeout_s)
+        self._store = self._attempt_store(timeout)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=None,
@@ -94,15 +95,33 @@ class ReplicaGroups:
             replica_id=f"distrain_group{self.group}",
             lighthouse_addr=self.lighthouse,
             init_sync=False,  # every group seeds the same initial weights
+            store_addr=self._store.host,
+            store_port=self._store.port,
         )
         self.manager.register_state_dict_fn(HEALING_KEY, load, save)
+
+    def _attempt_store(self, timeout: timedelta) -> Any:
+        """A store of this attempt's own, served by the group's rank 0 (its address broadcast over the group):
+        torchft's Manager publishes its server's address in the store it is given, and the launcher's store
+        outlives a restart of the group, where a rank would read the dead attempt's address.
+        Collective: one broadcast_object_list on the group's default process group."""
+        import torch.distributed as dist
+        from torch.distributed import TCPStore
+
+        self.group_rank = dist.get_rank()
+        store = None
+        if self.group_rank == 0:
+            store = TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, is_master=True, wait_for_workers=False)
+        address = [(store.host, store.port) if store is not None else None]
+        dist.broadcast_object_list(address, src=0)
+        if store is None:
+            store = TCPStore(address[0][0], address[0][1], is_master=False, timeout=timeout)
+        return store
 
     def join(self) -> None:
         """The first quorum, before the run's reporting starts: a group that (re)starts while others train takes
         their state here (step, data position, model, optimizer). The first step then uses this quorum."""
-        from distrain.launch.ranks import restarted_attempt
-
-        if not restarted_attempt():
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # the group's agent did not restart it
             self._meet_the_other_groups()
         before = self.manager.current_step()
         self.manager.start_quorum()
@@ -114,7 +133,7 @@ class ReplicaGroups:
         """At the job's start, wait until every group has its Manager (its rank 0 heartbeats to the lighthouse), so
         the first quorum holds them all. A restarted group skips this: the others are training."""
         address = os.environ.get(START_STORE_ENV)
-        if not address or self.manager._group_rank != 0:
+        if not address or self.group_rank != 0:
             return
         from torch.distributed import TCPStore
 
@@ -137,25 +156,33 @@ class ReplicaGroups:
         """Average ``tensors`` in place across the groups of this step's quorum (one all-reduce of one flat buffer),
         then ask the quorum whether the step commits. False: a group failed during the step (the tensors may be
         partial); the caller drops the step and runs it again."""
-        # One more entry carries whether a stop signal reached this group: then every group stops after this step
-        # (at one step, where the first group saves), as the ranks of one job do.
-        stopping = self.stop is not None and self.stop.signal_name is not None
-        flag = torch.full((1,), float(stopping), dtype=tensors[0].dtype, device=tensors[0].device)
+        # One more entry carries whether a stop signal had reached this rank: the groups' step-end agreements read
+        # only what this all-reduce carried (``AgreedStop``), so every group stops after the same step, as the
+        # ranks of one job do; a signal that arrives later rides in the next step's all-reduce.
+        signal_name = self.stop.request.signal_name if self.stop is not None else None
+        flag = torch.full((1,), float(signal_name is not None), dtype=tensors[0].dtype, device=tensors[0].device)
         flat = _flatten_dense_tensors([*tensors, flag])
         self.manager.allreduce(flat).wait()
         committed = self.manager.should_commit()
         if committed:
             for tensor, averaged in zip(tensors, _unflatten_dense_tensors(flat, list(tensors)), strict=False):
                 tensor.copy_(averaged)
-            if flat[-1] > 0 and not stopping and self.stop is not None:
-                self.stop.signal_name = "a signal to another replica group"
+            if flat[-1] > 0 and self.stop is not None:
+                self.stop.signal_name = signal_name or "a signal to another replica group"
         return committed
 
+    def agreed_stop(self, request: StopRequest) -> AgreedStop:
+        """The stop record this rank's step-end agreement reads under replica groups (see ``average``)."""
+        self.stop = AgreedStop(request)
+        return self.stop
+
     def participants(self) -> int:
+        """The replica groups in this step's quorum."""
         return self.manager.num_participants()
 
     def saves_checkpoints(self) -> bool:
-        """One group writes the job's checkpoints: rank 0 of the current quorum (any group, after group 0 died)."""
+        """One group writes the job's checkpoints: rank 0 of the current quorum (any group, after group 0 died). Read
+        after the step's quorum (it would wait for it)."""
         return self.manager.participating_rank() == 0
 
     def state_dict(self) -> dict[str, int]:
@@ -163,12 +190,23 @@ class ReplicaGroups:
         return self.manager.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Take the quorum's step and committed batches from a checkpoint."""
         self.manager.load_state_dict(state)
 
     def shutdown(self) -> None:
+        """Stop the Manager's servers (the group's manager server, the healing transport)."""
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
+
+
+class AgreedStop:
+    """A stop signal as the replica groups agreed on it: ``signal_name`` is set once a committed step's cross-group
+    all-reduce carried some rank's signal (``request`` records the signals this rank received)."""
+
+    def __init__(self, request: StopRequest) -> None:
+        self.request = request
+        self.signal_name: str | None = None
 
 
 def group_run_dir(run_dir: str) -> str:

@@ -31,6 +31,7 @@ from distrain.config.overrides import added_key_error, composition_error, plain_
 from distrain.config.schema import register_configs
 from distrain.config.validate import ConfigError, LaunchPlan, make_paths_absolute, validate
 from distrain.errors import RUN_ERROR_FILE, ArtifactError, RunError, run_error_line
+from distrain.ft.config import has_replica_groups
 from distrain.launch.ranks import (
     ChildFailedError,
     adopt_slurm_tasks,
@@ -172,7 +173,7 @@ def run(cfg: DictConfig) -> float | None:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     cfg_dict["distributed"]["device"] = plan.device_type
     checkpoint_dir = cfg.checkpoint.dir or str(Path(run_dir) / "checkpoints")
-    if cfg.ft.get("_target_"):  # whichever group saves (groups other than 0 log into their own subdirectory)
+    if has_replica_groups(cfg):  # whichever group saves (groups other than 0 log into their own subdirectory)
         cfg_dict["checkpoint"]["dir"] = str(Path(checkpoint_dir).resolve())
     run_name = f"{hydra_cfg.job.name}/{Path(run_dir).relative_to(Path(run_dir).parents[1])}"
     with ExitStack() as held:
@@ -236,7 +237,7 @@ def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], resume
     for stale in Path(rank_args[1]).glob(RUN_ERROR_FILE.format(rank="*")):
         stale.unlink()
     try:
-        if cfg.ft.get("_target_"):  # replica groups: each its own process set, restarted on its own
+        if has_replica_groups(cfg):  # replica groups: each its own process set, restarted on its own
             from distrain.ft.launch import run_replica_groups
 
             results = run_replica_groups(

@@ -133,15 +133,20 @@ def is_collective_timeout(err: BaseException) -> bool:
     return "Timed out waiting" in str(err) or "collective operation timeout" in str(err)
 
 
-def configure_logging(rank: int, log_file: Path | None = None) -> None:
+def configure_logging(rank: int, log_file: Path | None = None, replica_group: int | None = None) -> None:
     """Rank 0 logs INFO; the others WARNING and above, prefixed with their rank so a failing rank is named.
 
-    Rank 0 also appends to ``log_file`` (the run directory's log) when given.
+    Rank 0 also appends to ``log_file`` (the run directory's log) when given. Under replica groups (ft=torchft) the
+    prefix names the group too, and only group 0's INFO lines reach the console (every group's reach its own log).
     """
     root = logging.getLogger("distrain")
     root.handlers.clear()
-    formatter = logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    where = f"rank{rank}" if replica_group is None else f"group{replica_group} rank{rank}"
+    formatter = logging.Formatter(f"[{where}] %(levelname)s %(name)s: %(message)s")
+    console = logging.StreamHandler(sys.stderr)
+    if replica_group:
+        console.setLevel(logging.WARNING)
+    handlers: list[logging.Handler] = [console]
     if log_file is not None and rank == 0:
         handlers.append(logging.FileHandler(log_file))
     for handler in handlers:

@@ -10,31 +10,33 @@ only ever calls ``setup``, ``train_step``, ``eval_loss``, the checkpoint pair an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from distrain.comm.ddp_comm import DDPComm
 from distrain.data.sampler import Batch
 from distrain.errors import RunError
-from distrain.ft.replicas import ReplicaGroups
 from distrain.launch.process_group import DistEnv
 from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
 from distrain.optim.groups import base_lr, kernels_kept
 from distrain.parallelism.capabilities import Capabilities
 from distrain.parallelism.dtensor import full_value, is_dtensor
+from distrain.parallelism.gradients import clip_local_gradients
 from distrain.planning.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
 from distrain.trainer.faults import maybe_inject_fault
+
+if TYPE_CHECKING:
+    from distrain.ft.replicas import ReplicaGroups
 
 # (named_parameters, replicated_over=group or None) -> optimizer: ``distrain.optim.optimizers``.
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -132,43 +134,6 @@ def as_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if is_dtensor(value) else value
 
 
-def squared_grad_norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squared L2 norms of ``grads`` as one fp32 scalar on ``device``. A sharded gradient (DTensor: FSDP
-    or tensor-parallel) counts with its full norm (DTensor reduces it over its mesh: one all-reduce each); a plain
-    gradient counts as this rank's copy. Replicated plain gradients are thus counted once per rank that holds them,
-    and the caller sums over ranks holding different parameters (pipeline stages)."""
-    squared = torch.zeros((), device=device, dtype=torch.float32)
-    for grad in grads:
-        norm = grad.detach().float().norm()
-        squared += full_value(norm) ** 2
-    return squared
-
-
-def clip_grad_norm_across_meshes(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` (2-norm) for gradients that are DTensors on different meshes (FSDP's on the
-    dp mesh, the experts' on the ep mesh), which the torch function refuses (its stack and foreach multiply need one
-    mesh). Expert parallelism calls it after the experts' gradient sync. Returns the total norm before clipping, a
-    plain 0-dim tensor on the gradients' device.
-
-    Collectives: one all_reduce per mesh (each group's norm from its shards, over that mesh). Replicas of the same
-    expert shard hold equal gradients after the sync, so the ep mesh's norm counts each expert once.
-    """
-    groups: dict[object, list[nn.Parameter]] = {}
-    for param in parameters:
-        if param.grad is not None:
-            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
-    if not groups:
-        return torch.zeros(())
-    norms = []
-    for params in groups.values():
-        norm = get_total_norm([param.grad for param in params])
-        norms.append(full_value(norm))
-    total = torch.stack(norms).norm()
-    for params in groups.values():
-        clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
 def optimizer_metrics(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """What an optimizer that communicates (Muon) sent in its last step: ``optimizer_bytes_sent``, this rank's
     bytes (the counter is reset); empty for optimizers without collectives."""
@@ -177,28 +142,6 @@ def optimizer_metrics(optimizer: torch.optim.Optimizer) -> dict[str, float]:
         return {}
     optimizer.bytes_sent = 0
     return {"optimizer_bytes_sent": float(sent)}
-
-
-def scale_to_norm(grads: Sequence[torch.Tensor], squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """Clip ``grads`` in place to a global L2 norm of ``max_norm`` (0: no clipping) given their summed squared norm
-    over every rank's share; returns the norm before clipping."""
-    norm = squared_norm.sqrt()
-    if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(scale)
-    return norm
-
-
-def clip_local_gradients(parameters: Iterable[nn.Parameter], max_norm: float, world_size: int) -> torch.Tensor:
-    """Clipping when each rank steps on its own gradient (``comm.local_steps``): the norm is the root-mean-square
-    of the ranks' gradient norms, the same on every rank (one all-reduce of a scalar on the default group), so all
-    ranks scale alike and agree on a non-finite norm; the threshold is ``max_norm / sqrt(world_size)`` (Deep
-    Gradient Compression's local clipping: a rank's gradient is noisier than the mean). Returns that norm."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    squared = get_total_norm(grads).float() ** 2
-    dist.all_reduce(squared)
-    return scale_to_norm(grads, squared / world_size, max_norm / world_size**0.5).detach()
 
 
 class LocalBackwardStrategy:
@@ -280,8 +223,11 @@ class LocalBackwardStrategy:
         skipped = False
         # The norm is computed from synchronised gradients, so every rank takes the same decision. With a grad
         # scaler, overflow is routine and the scaler itself skips the step and lowers the scale.
+        # Under DiLoCo (each rank clips its own gradient) the decision is this rank's own: it skips its inner step,
+        # and a stop would leave its peers waiting in the next sync; only the outer mean's finiteness stops all.
+        shared_norm = not self.ctx.comm.local_steps or self.ctx.comm.shared_clip_norm
         if not self.scaler.is_enabled() and not torch.isfinite(grad_norm):
-            if self.ctx.on_nonfinite == "stop":
+            if self.ctx.on_nonfinite == "stop" and shared_norm:
                 raise NonFiniteGradientError(f"gradient norm is {grad_norm.item()}; the update was not applied")
             skipped = True
         self.updating = True
@@ -315,8 +261,9 @@ class LocalBackwardStrategy:
         return self._state_dict()
 
     def load_replica_state(self, state: dict[str, Any]) -> None:
-        """Take a live peer's ``replica_state``."""
+        """Take a live peer's ``replica_state`` (the comm option's own per-rank state starts afresh at its step)."""
         self._apply_state(state, self.own_optimizer_key())
+        self.ctx.comm.on_resume(self.scheduler.last_epoch, restored=False)
 
     def _apply_state(self, state: dict[str, Any], optimizer_key: str) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict

@@ -44,12 +44,12 @@ from distrain.parallelism.base import (
     LocalBackwardStrategy,
     StepResult,
     StrategyContext,
-    clip_grad_norm_across_meshes,
 )
 from distrain.parallelism.capabilities import Capabilities
 from distrain.parallelism.checks import check_mesh
 from distrain.parallelism.context import ContextParallel, shard_sequence
 from distrain.parallelism.fsdp import shard_blocks_and_root
+from distrain.parallelism.gradients import clip_grad_norm_across_meshes
 from distrain.parallelism.layout import Layout
 from distrain.parallelism.pipeline import PipelineStrategy
 from distrain.parallelism.tensor import parallelize_model

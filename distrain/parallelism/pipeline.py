@@ -32,9 +32,8 @@ from distrain.parallelism.base import (
     LocalBackwardStrategy,
     NonFiniteGradientError,
     StepResult,
-    scale_to_norm,
-    squared_grad_norm,
 )
+from distrain.parallelism.gradients import scale_to_norm, squared_grad_norm
 from distrain.parallelism.layout import Layout
 from distrain.parallelism.recompute import apply_activation_checkpointing
 from distrain.planning.memory import measure_torch_model_state

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,9 @@ import torch.distributed as dist
 from distrain.errors import UnresponsiveRankError
 from distrain.launch.process_group import PeerFailedError, is_peer_failure
 from distrain.trainer.preemption import StopRequest
+
+if TYPE_CHECKING:
+    from distrain.ft.replicas import AgreedStop
 
 __all__ = ["AgreementTimeout", "PeerFailedError", "StepAgreement", "Verdict"]
 
@@ -52,7 +56,7 @@ class Verdict:
 class StepAgreement:
     """Per-step agreement on a gloo group created once here (collective: every rank constructs it)."""
 
-    def __init__(self, *, stop: StopRequest | None, timeout_s: float, failure_timeout_s: float) -> None:
+    def __init__(self, *, stop: StopRequest | AgreedStop | None, timeout_s: float, failure_timeout_s: float) -> None:
         self.stop = stop
         self.timeout_s = timeout_s
         self.failure_timeout = datetime.timedelta(seconds=failure_timeout_s)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.config.schema import TrainerConfig
 from distrain.data.sampler import Batch, GlobalBatchSampler, TrainBatches, token_windows, validation_batches
+from distrain.ft.config import has_replica_groups
 from distrain.ft.replicas import ReplicaGroups
 from distrain.launch.process_group import DistEnv
 from distrain.models.spec import spec_of
@@ -74,7 +75,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         apply_compile(model, cfg.compile_scope, cfg.compile_backend)
     precision = instantiate(cfg.precision)
     comm = instantiate(cfg.comm)
-    replica_groups = instantiate(cfg.ft) if cfg.ft.get("_target_") else None
+    replica_groups = instantiate(cfg.ft) if has_replica_groups(cfg) else None
     strategy.setup(
         model,
         StrategyContext(
@@ -95,15 +96,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     data, val_batches = build_data(
         cfg, settings, strategy.data_parallel, replica_groups, pin_memory=env.device.type == "cuda"
     )
-    # Under ft=torchft every group's rank 0 writes its own metrics.jsonl; the trackers follow group 0's (the run's).
-    tracked = replica_groups is None or replica_groups.group == 0
-    reporter = RunReporter(
-        run_dir=run_dir,
-        trackers={name: instantiate(tracker) for name, tracker in cfg.logger.items()} if tracked else {},
-        enabled=env.is_main,
-        max_steps=settings.max_steps,
-        progress_bar=settings.progress_bar,
-    )
+    reporter = _reporter(cfg, env, run_dir, settings, replica_groups)
     checkpointer = instantiate(cfg.checkpoint)(
         run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     )
@@ -129,6 +122,21 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
         ),
         model_parameters=model_parameters,
         replica_groups=replica_groups,
+    )
+
+
+def _reporter(
+    cfg: DictConfig, env: DistEnv, run_dir: str, settings: TrainerConfig, replica_groups: ReplicaGroups | None
+) -> RunReporter:
+    """metrics.jsonl, summary.json and the trackers, on rank 0. Under ft=torchft every group's rank 0 writes its own
+    metrics.jsonl; the trackers follow group 0's (the run's)."""
+    tracked = replica_groups is None or replica_groups.group == 0
+    return RunReporter(
+        run_dir=run_dir,
+        trackers={name: instantiate(tracker) for name, tracker in cfg.logger.items()} if tracked else {},
+        enabled=env.is_main,
+        max_steps=settings.max_steps,
+        progress_bar=settings.progress_bar,
     )
 
 

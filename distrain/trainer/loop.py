@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,6 @@ from distrain.checkpoint.checkpointer import Checkpointer, rng_snapshot, set_rng
 from distrain.config.schema import TrainerConfig
 from distrain.data.sampler import Batch, TrainBatches
 from distrain.errors import ArtifactError, CheckpointSpaceError
-from distrain.ft.replicas import ReplicaGroups
 from distrain.launch.process_group import is_collective_timeout, is_peer_failure
 from distrain.monitor.profiler import StepProfiler
 from distrain.monitor.system import peak_memory_bytes
@@ -29,6 +28,9 @@ from distrain.parallelism.base import Strategy
 from distrain.trackers.reporter import RunReporter
 from distrain.trainer.agreement import AgreementTimeout, PeerFailedError, StepAgreement, Verdict
 from distrain.trainer.faults import maybe_inject_delay, maybe_inject_fault
+
+if TYPE_CHECKING:
+    from distrain.ft.replicas import ReplicaGroups
 
 log = logging.getLogger(__name__)
 
@@ -267,15 +269,12 @@ def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool
         return False
     if loop.window.steps:
         loop.reporter.log({"step": state.step, **loop.window.close(), "lr": strategy.current_lr()})
-    if checkpointer.last_saved_step != state.step and _saves(loop):
+    saves = _saves(loop)
+    if checkpointer.last_saved_step != state.step and saves:
         checkpointer.save(state.step, strategy, _loop_state(loop))
     if loop.reporter.enabled:  # one line for the run: every rank stopped at this step and saved its part
-        log.warning(
-            "stopping at step %d on %s; checkpoint saved in %s",
-            state.step,
-            loop.agreement.stop.signal_name,
-            checkpointer.dir,
-        )
+        where = f"checkpoint saved in {checkpointer.dir}" if saves else "the quorum's first replica group saves"
+        log.warning("stopping at step %d on %s; %s", state.step, loop.agreement.stop.signal_name, where)
     return True
 
 

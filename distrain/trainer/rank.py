@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.errors import RUN_ERROR_FILE, RunError
-from distrain.ft.replicas import group_run_dir
+from distrain.ft.replicas import group_run_dir, replica_group
 from distrain.launch.process_group import (
     DistEnv,
     configure_logging,
@@ -54,7 +54,7 @@ def build_and_train(cfg_dict: dict[str, Any], run_dir: str, run_name: str, run_g
         dist.broadcast_object_list(shared, src=0)  # under torchrun only rank 0 composed the real run directory
         run_dir, run_name, run_group = shared
         run_dir = group_run_dir(run_dir)  # ft=torchft: each replica group's own log and metrics
-        configure_logging(env.rank, Path(run_dir) / "train.log")
+        configure_logging(env.rank, Path(run_dir) / "train.log", replica_group())
         run = build(cfg, env, run_dir)
         if env.is_main:
             log.info(run.data.sampler.describe(cfg.data.seq_len))
@@ -138,10 +138,11 @@ def train_run(cfg: DictConfig, env: DistEnv, run: RankRun, state: TrainState, ru
     throughout: every step's gradient exchange and agreement, evaluation, checkpoints
     (``distrain.trainer.loop.train``)."""
     stop = StopRequest().install()
-    if run.replica_groups is not None:  # a signal to one group stops every group at the same step
-        run.replica_groups.stop = stop
     agreement = StepAgreement(
-        stop=stop, timeout_s=cfg.distributed.timeout_s, failure_timeout_s=run.checkpointer.emergency_timeout_s
+        # Under replica groups a signal stops every group at one step: the agreement reads what the groups agreed.
+        stop=stop if run.replica_groups is None else run.replica_groups.agreed_stop(stop),
+        timeout_s=cfg.distributed.timeout_s,
+        failure_timeout_s=run.checkpointer.emergency_timeout_s,
     )
     profiler = StepProfiler(
         enabled=cfg.profile,

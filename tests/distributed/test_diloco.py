@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from helpers import join, leave, on_ranks, train_steps
 from omegaconf import OmegaConf
-from test_comm import STEPS, configs
+from test_comm import configs
 
 from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
 from distrain.trainer.build import build
@@ -77,9 +77,49 @@ def test_compressed_pseudo_gradients_send_less_and_still_agree():
     assert 0 < sent < all_reduce_bytes(powersgd["numel"] * 4, 2) / 4 and same
 
 
-def test_a_checkpoint_between_syncs_resumes_exactly():
-    (result,) = on_ranks(train_steps, 2, configs(["comm=diloco", "comm.sync_every=4", "checkpoint=default"]), STEPS, 6)[
-        0
-    ]
+@pytest.mark.parametrize("compression", ["none", "topk", "powersgd"])
+def test_a_checkpoint_between_syncs_resumes_exactly(compression):
+    """Saved after step 6 of cycles of 4: the resumed run's steps 7-12 cross the sync at step 8, which reads every
+    rank's own parameters, the outer model, its momentum and (compressed) the residuals and factors."""
+    overrides = ["comm=diloco", "comm.sync_every=4", f"comm.compression={compression}", "checkpoint=default"]
+    (result,) = on_ranks(train_steps, 2, configs([*overrides, "comm.density=0.1"]), 12, 6)[0]
     assert result["resumed_from_step"] == 6
     assert result["resumed_losses"] == result["losses"][6:]
+
+
+def outer_steps_against_torch_sgd(_):
+    """DiLoCo's outer step on one rank against torch's SGD with Nesterov momentum fed the pseudo-gradient."""
+    from types import SimpleNamespace
+
+    from distrain.comm.diloco import DiLoCoComm
+    from distrain.monitor.timing import Clock
+
+    join(None)
+    try:
+        comm = DiLoCoComm(
+            sync_every=1, outer_lr=0.7, outer_momentum=0.9, nesterov=True, fragments=1, compression="none",
+            density=1.0, rank=1, name="diloco", bucket_cap_mb=25, gradient_as_bucket_view=True, static_graph=False,
+        )  # fmt: skip
+        model = torch.nn.Linear(4, 3)
+        comm.world_size, comm.rank, comm.clock = 1, 0, Clock(torch.device("cpu"))
+        comm.prepare(SimpleNamespace(module=model), None)
+        reference = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+        sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            with torch.no_grad():  # an inner step moved this rank's parameters
+                for param in model.parameters():
+                    param.add_(torch.randn(param.shape, generator=generator))
+            for ref, param in zip(reference, model.parameters(), strict=True):
+                ref.grad = (ref - param).detach()  # the pseudo-gradient: outer minus local
+            sgd.step()
+            assert comm._outer_step(0)
+            for ref, param in zip(reference, model.parameters(), strict=True):
+                torch.testing.assert_close(param.detach(), ref.detach(), rtol=1e-6, atol=1e-6)
+        return True
+    finally:
+        leave()
+
+
+def test_the_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
+    assert on_ranks(outer_steps_against_torch_sgd, 1, None)[0]

@@ -24,7 +24,7 @@ from distrain.models.moe.expert_parallel import (
 )
 from distrain.models.moe.model import MoE, MoEFeedForward
 from distrain.models.moe.spec import auxiliary_loss, moe_layers
-from distrain.parallelism.base import clip_grad_norm_across_meshes
+from distrain.parallelism.gradients import clip_grad_norm_across_meshes
 
 CONFIG = dict(
     vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, expert_hidden=24, n_experts=4, top_k=2

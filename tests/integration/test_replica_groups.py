@@ -71,23 +71,32 @@ def group_ranks(launcher, group):
 
 def run_until(tmp_path, args, when, act, timeout=240):
     """Start train.py, call ``act(launcher)`` once ``when()`` holds, and wait for the end."""
+    return run_with(tmp_path, args, [(when, act)], timeout)
+
+
+def run_with(tmp_path, args, actions, timeout=240):
+    """Start train.py and take ``actions`` [(when, act)] in turn: each ``act(launcher)`` once its ``when()`` holds."""
     command = [sys.executable, str(REPO / "train.py"), *args]
-    with subprocess.Popen(
-        command, cwd=tmp_path, env={**os.environ, **SLOW_STEPS}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+    out, err = (open(tmp_path / name, "w+") for name in ("stdout.txt", "stderr.txt"))  # never a full pipe
+    pending = list(actions)
+    with out, err, subprocess.Popen(
+        command, cwd=tmp_path, env={**os.environ, **SLOW_STEPS}, stdout=out, stderr=err, text=True,
+        start_new_session=True,
     ) as process:  # fmt: skip
         try:
-            deadline, acted = time.monotonic() + timeout, False
+            deadline = time.monotonic() + timeout
             while process.poll() is None and time.monotonic() < deadline:
-                if not acted and when():
-                    act(psutil.Process(process.pid))
-                    acted = True
+                if pending and pending[0][0]():
+                    pending.pop(0)[1](psutil.Process(process.pid))
                 time.sleep(0.05)
-            stdout, stderr = process.communicate(timeout=max(1, deadline - time.monotonic()))
+            process.wait(timeout=max(1, deadline - time.monotonic()))
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
-    assert acted, stderr
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert not pending, stderr
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
@@ -130,6 +139,49 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp
     assert "joined at step" in log and "resumed from" not in log  # healed from the peer, not a checkpoint
     # The outage trained some steps on half the global batch: close to the uninterrupted job, not equal.
     assert summary(run)["final_val_loss"] == pytest.approx(summary(plain_ddp)["final_val_loss"], rel=0.02)
+
+
+def killer(group, killed):
+    def kill(launcher):
+        ranks = group_ranks(launcher, group)
+        assert ranks, f"no ranks of group {group}"
+        for rank in ranks:
+            rank.send_signal(signal.SIGKILL)
+        killed.append(group)
+
+    return kill
+
+
+def joined(run, group, times):
+    """True once group's train.log says it joined (healed) ``times`` times."""
+    log = (run if group == 0 else run / f"replica_group_{group}") / "train.log"
+    return lambda: log.exists() and log.read_text().count("joined at step") >= times
+
+
+def test_a_soak_of_kills_of_either_group_loses_no_step_of_the_run(tmp_path, plain_ddp):
+    """Group 1, then group 0 (whose metrics are the run's, and which writes checkpoints), then group 1 again: each
+    killed after the previous one rejoined; the run ends at max_steps with one record per step."""
+    run, killed = tmp_path / "run", []
+    metrics_1 = run / "replica_group_1" / "metrics.jsonl"
+    actions = [
+        (reached(metrics_1, 6), killer(1, killed)),
+        (joined(run, 1, 1), lambda launcher: None),
+        (reached(metrics_1, 16), killer(0, killed)),
+        (joined(run, 0, 1), lambda launcher: None),
+        (reached(run / "metrics.jsonl", 26), killer(1, killed)),
+    ]
+    saving = ["checkpoint=default", "checkpoint.every_n_steps=5", "checkpoint.keep_last=0"]
+    result = run_with(tmp_path, [*COMMON, *GROUPS, *saving, "hydra.run.dir=run"], actions)
+    assert result.returncode == 0, result.stderr
+    assert killed == [1, 0, 1]
+    for group_dir in (run, run / "replica_group_1"):
+        steps = [r["step"] for r in records(group_dir)]
+        assert steps == sorted(set(steps)) and steps[-1] == STEPS  # none repeated, none after the end
+    away = set(range(1, STEPS + 1)) - {r["step"] for r in records(run)}
+    assert away  # group 0 missed the steps it was away for
+    assert summary(run)["final_val_loss"] == pytest.approx(summary(plain_ddp)["final_val_loss"], rel=0.03)
+    saved = {int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*")}
+    assert STEPS in saved and saved & away  # group 1 wrote the checkpoints while group 0 was away
 
 
 def test_a_stop_signal_stops_every_group_at_one_step_and_resume_is_exact(tmp_path, plain_ddp):
