@@ -6,10 +6,13 @@ uninterrupted and once per scenario: one kill of group 1, and a soak with severa
 the one whose metrics are the run's, included) at random steps. Each kill SIGKILLs every rank of the group; its
 supervisor's elastic agent restarts them and they heal from a live group. Reported per scenario:
 
-- steps lost by the survivors: steps the quorum did not commit and the survivors ran again (``dropped_steps``);
+- steps lost by the survivors: steps the quorum did not commit and the survivors ran again (the "not committed"
+  warnings in every group's train.log, which each life of a group appends to);
 - the outage: steps of group 0's metrics that ran with fewer groups (the smaller global batch), or that group 0
   missed while it was the one killed;
-- time to rejoin: from the SIGKILL to the restarted group's "joined at step" line (start-up, quorum, healing);
+- time to rejoin: from the SIGKILL to the restarted group's "joined at step" line (start-up, quorum, healing). A
+  restart faster than the lighthouse's heartbeat timeout is absorbed in the survivors' next quorum, which waits for
+  the group (no step runs with fewer groups); a slower one shows as outage steps;
 - the final validation loss against the uninterrupted run (every group validates on the whole validation set).
 
     python benchmarks/fault_tolerance.py                                  # 200 steps, 2 groups, 4 soak kills
@@ -96,12 +99,14 @@ def run(args: list[str], run_dir: Path, kills: list[tuple[int, int]], groups: in
     if process.returncode != 0:
         sys.exit(f"train.py failed:\n{text[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
+    # Every life of a group appends to its train.log: the survivors' steps run again, whichever group survived.
+    lost = sum((group_dir(run_dir, group) / "train.log").read_text().count("not committed") for group in range(groups))
     records = metrics(run_dir)
     outage = sum(1 for r in records if r.get("replica_groups", groups) < groups) + summary["steps"] - len(records)
     for event in events:
         joined = re.findall(r"joined at step (\d+)", (group_dir(run_dir, event["group"]) / "train.log").read_text())
         event["missed"] = int(joined[-1]) - event["step"] if joined else None
-    return {"summary": summary, "events": events, "outage_steps": outage}
+    return {"summary": summary, "events": events, "outage_steps": outage, "lost": lost}
 
 
 def main() -> None:
@@ -148,7 +153,7 @@ def main() -> None:
             rejoin = ", ".join(f"{e['rejoin_s']:.1f}" for e in r["events"]) or "-"
             val = r["summary"]["final_val_loss"]
             rows.append(
-                f"| {name} | {len(r['events'])} | {r['summary']['dropped_steps']} | {r['outage_steps']} | {rejoin} "
+                f"| {name} | {len(r['events'])} | {r['lost']} | {r['outage_steps']} | {rejoin} "
                 f"| {val:.4f} | {val / reference - 1:+.2%} |"
             )
             print(rows[-1], flush=True)

@@ -35,6 +35,7 @@ from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
 from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.errors import RunError
 from distrain.launch.process_group import DistEnv
+from distrain.parallelism.checks import meta_model
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -86,6 +87,10 @@ class DiLoCoComm(DDPComm):
 
         check(cfg, "comm.density", lambda v: v is not None and 0 < v <= 1, "a fraction in (0, 1]")
         check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the pseudo-gradient's factors)")
+        built = meta_model(cfg, strict=False)
+        tensors = sum(1 for p in built[0].parameters() if p.requires_grad) if built else None
+        if tensors is not None and comm.fragments > tensors:
+            raise ConfigError("comm.fragments", comm.fragments, f"at most the model's {tensors} trainable tensors")
         return _extra_sync_notes(cfg)
 
     def prepare(self, model: DistributedDataParallel, env: DistEnv) -> None:

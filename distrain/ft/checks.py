@@ -34,7 +34,12 @@ def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
             f"a divisor of the job's {placement.world_size} ranks (distributed.nproc_per_node): the ranks split "
             "evenly into the groups",
         )
-    check(cfg, "ft.min_replicas", lambda v: isinstance(v, int) and 1 <= v <= groups, f"an integer in 1..{groups}")
+    check(
+        cfg,
+        "ft.min_replicas",
+        lambda v: isinstance(v, int) and 1 <= v <= groups,
+        f"an integer in 1..ft.replica_groups ({groups})",
+    )
     check(cfg, "ft.max_restarts", at_least(0), "an integer >= 0")
     for key in (
         "ft.timeout_s",
@@ -55,8 +60,9 @@ def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
         raise ConfigError(
             "comm",
             cfg.comm.name,
-            "an option that all-reduces gradients with ft=torchft (this one exchanges each rank's update after "
-            "its optimizer step, which the groups' gradient average would skip)",
+            "an option that all-reduces gradients every step with ft=torchft (default, bf16, fp16, powersgd, "
+            "hierarchical: it averages inside each group, the groups then average densely); this one steps each "
+            "rank on its own gradient, which replica groups do not support yet",
         )
     if inside_launcher() and not placement.planning:
         raise ConfigError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from distrain.comm.traffic import all_reduce_bytes
 from distrain.ft.checks import check_replica_groups
 from distrain.trainer.preemption import StopRequest
 
@@ -65,6 +67,8 @@ class ReplicaGroups:
         self._quorum_started = False
         self.healed_at: int | None = None  # the step this group took from a peer when it (re)joined
         self.stop: AgreedStop | None = None  # what the group's step-end agreement reads (``agreed_stop``)
+        self.bytes_sent = 0  # by this rank in the last cross-group all-reduce (ring over the quorum's groups)
+        self.last_failure: str | None = None  # why the last step was not committed, as torchft reported it
 
     def data_parallel(self, inside: tuple[int, int]) -> tuple[int, int]:
         """This rank's (position, size) on the job's data-parallel axis: the groups are its outer part, so group g's
@@ -78,9 +82,11 @@ class ReplicaGroups:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
-        # torchft logs each quorum and commit; its errors still show (a failed peer, a failed heal).
+        # torchft logs each quorum and commit, and a peer's death as a traceback: the step's warning names it in one
+        # line instead (``last_failure``). A healed state arrives in read-only buffers, which torch warns about.
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         timeout = timedelta(seconds=self.timeout_s)
         self._store = self._attempt_store(timeout)
         self.manager = Manager(
@@ -163,7 +169,10 @@ class ReplicaGroups:
         flag = torch.full((1,), float(signal_name is not None), dtype=tensors[0].dtype, device=tensors[0].device)
         flat = _flatten_dense_tensors([*tensors, flag])
         self.manager.allreduce(flat).wait()
+        self.bytes_sent = all_reduce_bytes(flat.numel() * flat.element_size(), self.participants())
         committed = self.manager.should_commit()
+        error = self.manager.errored()
+        self.last_failure = " ".join(str(error.original_exception).split())[:200] if error is not None else None
         if committed:
             for tensor, averaged in zip(tensors, _unflatten_dense_tensors(flat, list(tensors)), strict=False):
                 tensor.copy_(averaged)

@@ -133,8 +133,8 @@ class LogWindow:
         for marks in self.marks:
             own = marks.get("model_metrics", {}) | marks.get("optimizer_metrics", {}) | marks.get("replica_metrics", {})
             for name, value in own.items():
-                sums[name] = sums.get(name, 0.0) + float(value) / self.steps
-        return sums
+                sums[name] = sums.get(name, 0.0) + float(value)
+        return {name: total / self.steps for name, total in sums.items()}
 
     def _comm_quality(self) -> dict[str, float]:
         """The compression quality guard's latest check in this window (rank 0 only; ``distrain.comm.quality``)."""

@@ -251,8 +251,12 @@ class LocalBackwardStrategy:
         replica groups of this step's quorum, after the group's own all-reduce; returns whether the quorum commits
         the step. Collective: one all-reduce of one flat buffer over torchft's process group."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        committed = self.ctx.replica_groups.average([*grads, loss_sum])
-        self._marks["replica_metrics"] = {"replica_groups": float(self.ctx.replica_groups.participants())}
+        groups = self.ctx.replica_groups
+        committed = groups.average([*grads, loss_sum])
+        self._marks["replica_metrics"] = {"replica_groups": float(groups.participants())}
+        if "comm_bytes" in self._marks:  # the cross-group all-reduce counts in the step's gradient traffic
+            self._marks["comm_bytes"] += groups.bytes_sent
+            self._marks["comm_dense_bytes"] += groups.bytes_sent
         return committed
 
     def replica_state(self) -> dict[str, Any]:

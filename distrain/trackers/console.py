@@ -69,9 +69,11 @@ def summary_table(summary: dict[str, Any], run_dir: str) -> str:
     layout, ranks = summary.get("layout", summary.get("parallelism")), summary.get("world_size")
     if summary.get("comm") not in (None, "default"):  # how gradients travelled, when not the plain all-reduce
         layout += f" with comm={summary['comm']}"
+    groups = summary.get("replica_groups", 1)
+    groups = f" in each of {groups} replica groups" if groups > 1 else ""  # ft=torchft: world_size is one group's
     rows = [
         ("steps", f"{summary.get('steps')}{stopped}"),
-        ("layout", f"{layout} on {ranks} rank{'' if ranks == 1 else 's'}, {summary.get('precision')}"),
+        ("layout", f"{layout} on {ranks} rank{'' if ranks == 1 else 's'}{groups}, {summary.get('precision')}"),
         ("train loss", _pair(summary.get("first_logged_loss"), summary.get("final_train_loss"))),
         ("val loss", _maybe(summary.get("final_val_loss"), short_number)),
         ("tokens/s (mean)", _maybe(mean("tokens_per_s"), si_number)),
@@ -79,6 +81,7 @@ def summary_table(summary: dict[str, Any], run_dir: str) -> str:
         ("peak memory", f"{max(peaks) / GIB:.2f} GiB per rank (max)" if peaks else "-"),
         ("wall time", _maybe(summary.get("wall_time_s"), duration)),
         ("skipped steps", str(summary.get("skipped_steps", 0))),
+        *([("steps run again", str(summary["dropped_steps"]))] if summary.get("dropped_steps") else []),
         ("run directory", run_dir),
     ]
     width = max(len(name) for name, _ in rows)

@@ -196,7 +196,9 @@ def _step(loop: _Loop) -> None:
         loop.data.load_state_dict(position)
         loop.dropped_steps += 1
         log.warning(
-            "step %d not committed by the replica groups' quorum (a group failed); running it again", state.step + 1
+            "step %d not committed by the replica groups' quorum (%s); running it again with the groups alive",
+            state.step + 1,
+            loop.replica_groups.last_failure or "a group failed",
         )
         return
     loop.skipped_steps += result.skipped
@@ -268,7 +270,9 @@ def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool
     if not verdict.stop:
         return False
     if loop.window.steps:
-        loop.reporter.log({"step": state.step, **loop.window.close(), "lr": strategy.current_lr()})
+        record = {"step": state.step, **loop.window.close(), "lr": strategy.current_lr()}
+        loop.logged_losses.append(record["loss"])  # the summary's final train loss is this window's
+        loop.reporter.log(record)
     saves = _saves(loop)
     if checkpointer.last_saved_step != state.step and saves:
         checkpointer.save(state.step, strategy, _loop_state(loop))

@@ -129,9 +129,12 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp
     assert result.returncode == 0, result.stderr
     survivor = records(run)
     assert [r["step"] for r in survivor] == list(range(1, STEPS + 1))  # group 0 never stopped nor repeated a step
+    # The outage shows: the step the group died in ran again, and steps ran with one group (none when the restart
+    # fits in the survivor's next quorum, which waits for the group while the lighthouse counts it alive).
     alone = [r["step"] for r in survivor if r["replica_groups"] < 2]
-    assert alone, "the outage must show in the survivor's metrics"
     assert summary(run)["dropped_steps"] <= 1  # at most the step the group died in, run again
+    assert summary(run)["dropped_steps"] + len(alone) >= 1
+    assert "not committed" in (run / "train.log").read_text()
     rejoined = records(run / "replica_group_1")
     steps = [r["step"] for r in rejoined]
     assert steps[-1] == STEPS and len(steps) < STEPS  # it skipped the steps it was away for: no rewind, no repeat
@@ -160,7 +163,9 @@ def joined(run, group, times):
 
 def test_a_soak_of_kills_of_either_group_loses_no_step_of_the_run(tmp_path, plain_ddp):
     """Group 1, then group 0 (whose metrics are the run's, and which writes checkpoints), then group 1 again: each
-    killed after the previous one rejoined; the run ends at max_steps with one record per step."""
+    killed after the previous one rejoined; the run ends at max_steps with one record per step and every periodic
+    checkpoint. (A restart of about 2 s mostly fits in the survivor's next quorum, which waits for the group while
+    the lighthouse still counts it alive, so how many steps ran with one group depends on the machine's load.)"""
     run, killed = tmp_path / "run", []
     metrics_1 = run / "replica_group_1" / "metrics.jsonl"
     actions = [
@@ -177,11 +182,11 @@ def test_a_soak_of_kills_of_either_group_loses_no_step_of_the_run(tmp_path, plai
     for group_dir in (run, run / "replica_group_1"):
         steps = [r["step"] for r in records(group_dir)]
         assert steps == sorted(set(steps)) and steps[-1] == STEPS  # none repeated, none after the end
-    away = set(range(1, STEPS + 1)) - {r["step"] for r in records(run)}
-    assert away  # group 0 missed the steps it was away for
     assert summary(run)["final_val_loss"] == pytest.approx(summary(plain_ddp)["final_val_loss"], rel=0.03)
+    # Every periodic checkpoint is there, complete: group 0 (the saver while it lives) died and came back, and
+    # whichever group was rank 0 of the quorum at each multiple of 5 wrote it.
     saved = {int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*")}
-    assert STEPS in saved and saved & away  # group 1 wrote the checkpoints while group 0 was away
+    assert saved == set(range(5, STEPS + 1, 5))
 
 
 def test_a_stop_signal_stops_every_group_at_one_step_and_resume_is_exact(tmp_path, plain_ddp):

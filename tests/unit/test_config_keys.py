@@ -158,7 +158,7 @@ KEYS = {
     "precision.grad_scaler": BOOL,
     "ft.name": free("set by each option's file; ft=none or ft=torchft selects it"),
     "ft.replica_groups": (check("ft=torchft", "ft.replica_groups=3"), "a divisor of the job's 2 ranks"),
-    "ft.min_replicas": (check("ft=torchft", "ft.min_replicas=3"), "an integer in 1..2"),
+    "ft.min_replicas": (check("ft=torchft", "ft.min_replicas=3"), "an integer in 1..ft.replica_groups (2)"),
     "ft.lighthouse": (check("ft=torchft", "ft.lighthouse=http://127.0.0.1:9"), "a reachable torchft lighthouse"),
     "ft.max_restarts": (check("ft=torchft", "ft.max_restarts=-1"), ">= 0"),
     "ft.timeout_s": (check("ft=torchft", "ft.timeout_s=0"), "> 0"),
