@@ -165,37 +165,26 @@ def train(
     )  # fmt: skip
     window.restart()
     while state.step < settings.max_steps:
-        failure = _begin_quorum(loop)  # before the boundary: a group behind takes a peer's state (and step) here
         boundary = _Boundary(state.step, state.tokens_seen, data.state_dict(), rng_snapshot())
-        if failure is None:
-            try:
-                _step(loop, boundary)
-            except Exception as err:  # noqa: BLE001 - any failure goes through the agreement below, then is re-raised
-                failure = err
-                log.error("step %d failed on this rank: %r", boundary.step + 1, err)
+        failure: Exception | None = None
+        try:
+            _step(loop)
+        except Exception as err:  # noqa: BLE001 - any failure goes through the agreement below, then is re-raised
+            failure = err
+            log.error("step %d failed on this rank: %r", boundary.step + 1, err)
         if _settle(loop, boundary, failure):
             break
     checkpointer.wait_and_finalize()
     return _summary(loop, started, started_at)
 
 
-def _begin_quorum(loop: _Loop) -> Exception | None:
-    """ft=torchft: the step's quorum (it may heal this group from a peer); returns its failure, if any, for the
-    step-end agreement. Nothing without replica groups."""
-    if loop.replica_groups is None:
-        return None
-    try:
-        loop.replica_groups.begin_step()
-    except Exception as err:  # noqa: BLE001 - any failure goes through the agreement, then is re-raised
-        log.error("the replica groups' quorum before step %d failed on this rank: %r", loop.state.step + 1, err)
-        return err
-    return None
-
-
-def _step(loop: _Loop, boundary: _Boundary) -> None:
+def _step(loop: _Loop) -> None:
     """One optimizer step, then what falls due after it: logging, evaluation, a checkpoint."""
     state, settings, window, strategy = loop.state, loop.settings, loop.window, loop.strategy
     marks = {"step_start": window.clock.mark()}
+    if loop.replica_groups is not None:  # the step's quorum; a group behind takes a peer's state (and step) here
+        loop.replica_groups.begin_step()
+        position = loop.data.state_dict()
     try:
         micro_batches = loop.data.next_step()
     except ArtifactError as err:  # read before any of the step's collectives: see _settle
@@ -204,7 +193,7 @@ def _step(loop: _Loop, boundary: _Boundary) -> None:
     maybe_inject_delay(dist.get_rank())
     result = strategy.train_step(micro_batches)
     if not result.committed:  # a replica group failed during the step: run it again with the groups still alive
-        loop.data.load_state_dict(boundary.data)
+        loop.data.load_state_dict(position)
         loop.dropped_steps += 1
         log.warning(
             "step %d not committed by the replica groups' quorum (%s); running it again with the groups alive",
