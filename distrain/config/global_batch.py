@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from distrain.config.checks import ConfigError, at_least, check
 from distrain.data.corpus import CorpusTooSmall
 from distrain.data.sampler import GlobalBatchSampler, longest_window, token_windows
+from distrain.ft.config import replica_group_count
 from distrain.parallelism.layout import layout_of
 
 
@@ -25,7 +26,9 @@ def derive_accumulation(cfg: DictConfig, world_size: int, ranks_per_node: int | 
     check(cfg, "data.micro_batch_size", at_least(1), "an integer >= 1")
     hybrid = cfg.parallelism
     try:
-        data_parallel = layout_of(cfg.parallelism, world_size, ranks_per_node).data_parallel
+        data_parallel = layout_of(
+            cfg.parallelism, world_size, ranks_per_node, replica_groups=replica_group_count(cfg)
+        ).data_parallel
     except (TypeError, ValueError, ZeroDivisionError):
         return  # degrees that do not fit: validate_hybrid names the bad one
     per_micro_step = cfg.data.micro_batch_size * data_parallel
@@ -50,7 +53,9 @@ def validate_data_fits(cfg: DictConfig, world_size: int, ranks_per_node: int | N
     Builds the corpus (what every rank will read; the built-in ones take well under a second) and returns the
     sampler the ranks will use, for the dry run's report.
     """
-    data_parallel = layout_of(cfg.parallelism, world_size, ranks_per_node).data_parallel
+    data_parallel = layout_of(
+        cfg.parallelism, world_size, ranks_per_node, replica_groups=replica_group_count(cfg)
+    ).data_parallel
     try:
         corpus = instantiate(cfg.data.corpus)
     except InstantiationException as err:

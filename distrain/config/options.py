@@ -17,7 +17,9 @@ from omegaconf import DictConfig
 from distrain.config.checks import ConfigError
 
 # A model family checks itself through its ModelSpec (``spec.check_config``), a tracker through its ``check``.
-GROUPS = ("parallelism", "comm", "optimizer", "precision", "ft")
+# ft first: it checks that its groups divide the job's ranks before the options acting inside a group are checked.
+GROUPS = ("ft", "parallelism", "comm", "optimizer", "precision")
+JOB_WIDE_GROUP = "ft"  # the option whose checks see the whole job; the others see one replica group's ranks
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,17 @@ class Placement:
     ranks_per_node: int
     device_type: str
     planning: bool = False
+    replica_groups: int = 1  # ft=torchft: the ranks split into this many groups, each running the layout
+
+    def inside_group(self) -> Placement:
+        """What one replica group's ranks are: the placement the parallelism and comm options act in (each group
+        runs its own layout; the groups' own checks see the whole job). The job itself without groups."""
+        if self.replica_groups <= 1 or self.world_size % self.replica_groups:
+            return self
+        groups = self.replica_groups
+        return Placement(
+            self.world_size // groups, max(1, self.ranks_per_node // groups), self.device_type, self.planning
+        )
 
 
 def option_of(cfg: DictConfig, group: str) -> Any | None:
@@ -50,5 +63,6 @@ def own_checks(cfg: DictConfig, placement: Placement) -> list[str]:
     for group in GROUPS:
         check_config = getattr(option_of(cfg, group), "check_config", None)
         if callable(check_config):
-            notes.extend(check_config(cfg, placement) or ())
+            seen = placement if group == JOB_WIDE_GROUP else placement.inside_group()
+            notes.extend(check_config(cfg, seen) or ())
     return notes

@@ -25,6 +25,7 @@ from distrain.config.options import Placement, own_checks
 from distrain.data.token_format import DataError
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
 from distrain.errors import ArtifactError
+from distrain.ft.config import replica_group_count
 from distrain.launch.process_group import resolve_device_type
 from distrain.launch.ranks import default_nproc_per_node, inside_launcher
 from distrain.optim.checks import validate_optimizer
@@ -147,7 +148,9 @@ def _validate_config(cfg: DictConfig, target: Target | None) -> LaunchPlan:
         log.warning(note)
     derive_accumulation(cfg, world_size, local)  # before the pipeline checks, which divide the step's sequences
     validate_sharding(cfg)
-    placement = Placement(world_size, local, device_type, planning=target is not None)
+    placement = Placement(
+        world_size, local, device_type, planning=target is not None, replica_groups=replica_group_count(cfg)
+    )
     for note in own_checks(cfg, placement):  # each option's check_config, distrain's or the user's own
         log.warning(note)
     validate_data_fits(cfg, world_size, local)  # after the degrees are known to be valid

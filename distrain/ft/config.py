@@ -36,3 +36,8 @@ def has_replica_groups(cfg: Any) -> bool:
     """Whether the config's ``ft`` option runs replica groups (it names a class to build: ``ft=torchft`` or a user's
     own); ``ft=none`` names none."""
     return bool(cfg.ft.get("_target_"))
+
+
+def replica_group_count(cfg: Any) -> int:
+    """How many replica groups the job's ranks split into (1 without groups): the layout's outermost replicas."""
+    return int(cfg.ft.get("replica_groups", 1) or 1) if has_replica_groups(cfg) else 1

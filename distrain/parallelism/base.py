@@ -29,7 +29,7 @@ from distrain.models.spec import spec_of
 from distrain.monitor.timing import Clock
 from distrain.optim.groups import base_lr, kernels_kept
 from distrain.parallelism.capabilities import Capabilities
-from distrain.parallelism.dtensor import full_value, is_dtensor
+from distrain.parallelism.dtensor import as_placed, full_value, is_dtensor, local_parts, local_value
 from distrain.parallelism.gradients import clip_local_gradients
 from distrain.planning.memory import ModelStateBytes, measure_torch_model_state
 from distrain.precision.policy import PrecisionPolicy
@@ -250,7 +250,8 @@ class LocalBackwardStrategy:
         """ft=torchft: average the gradients (and the step's loss, so every group logs the job's loss) across the
         replica groups of this step's quorum, after the group's own all-reduce; returns whether the quorum commits
         the step. Collective: one all-reduce of one flat buffer over torchft's process group."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # Rank r of every group holds the same shards (FSDP, tensor-parallel DTensors): its local parts average.
+        grads = [local_value(p.grad) for p in self.model.parameters() if p.grad is not None]
         groups = self.ctx.replica_groups
         committed = groups.average([*grads, loss_sum])
         self._marks["replica_metrics"] = {"replica_groups": float(groups.participants())}
@@ -261,12 +262,13 @@ class LocalBackwardStrategy:
 
     def replica_state(self) -> dict[str, Any]:
         """Model, optimizer, scheduler and scaler state as plain tensors in memory: what a healing replica group
-        copies from this one (ft=torchft)."""
-        return self._state_dict()
+        copies from this one (ft=torchft). Sharded tensors travel as this rank's parts (rank r of the healing group
+        holds the same shards as rank r here)."""
+        return local_parts(self._state_dict())
 
     def load_replica_state(self, state: dict[str, Any]) -> None:
         """Take a live peer's ``replica_state`` (the comm option's own per-rank state starts afresh at its step)."""
-        self._apply_state(state, self.own_optimizer_key())
+        self._apply_state(as_placed(self._state_dict(), state), self.own_optimizer_key())
         self.ctx.comm.on_resume(self.scheduler.last_epoch, restored=False)
 
     def _apply_state(self, state: dict[str, Any], optimizer_key: str) -> None:

@@ -6,6 +6,7 @@ first save or load). No DTensor can exist before ``torch.distributed.tensor`` is
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -18,3 +19,39 @@ def is_dtensor(value: object) -> bool:
 def full_value(value: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (a collective over its mesh when it is sharded); a plain tensor as it is."""
     return value.full_tensor() if is_dtensor(value) else value
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """The part of a DTensor this rank holds (a view: writing it writes the DTensor); a plain tensor as it is."""
+    return value.to_local() if is_dtensor(value) else value
+
+
+def local_parts(state: Any) -> Any:
+    """``state`` (nested dicts and lists) with every DTensor replaced by this rank's local part: what pickles and
+    travels without its device mesh (a healing replica group's copy, whose rank r holds rank r's shards)."""
+    if isinstance(state, dict):
+        return {key: local_parts(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(local_parts(value) for value in state)
+    return local_value(state) if isinstance(state, torch.Tensor) else state
+
+
+def as_placed(template: Any, parts: Any) -> Any:
+    """``local_parts``'s inverse: ``parts`` with each tensor whose counterpart in ``template`` is a DTensor put back
+    on that DTensor's mesh and placements (no communication: each rank wraps the part it received)."""
+    if isinstance(template, dict) and isinstance(parts, dict):
+        return {key: as_placed(template.get(key), value) for key, value in parts.items()}
+    if isinstance(template, list | tuple) and isinstance(parts, list | tuple) and len(template) == len(parts):
+        return type(parts)(as_placed(t, p) for t, p in zip(template, parts, strict=True))
+    if is_dtensor(template) and isinstance(parts, torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            parts.to(template.device),
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
+    return parts

@@ -272,7 +272,8 @@ def resolve_hybrid_layout(
     return configured.degrees(world_size, ranks_per_node)
 
 
-HybridStrategy.capabilities = Capabilities(device_mesh=True)  # any ranks, DCP checkpoints that reshard
+# Any ranks, DCP checkpoints that reshard; inside a replica group when it has no pipeline stages (ft's check).
+HybridStrategy.capabilities = Capabilities(device_mesh=True, replica_groups=True)
 HybridStrategy.resolve_layout = resolve_hybrid_layout
 HybridStrategy.check_config = check_mesh  # its own checks before any rank starts
 

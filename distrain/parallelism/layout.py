@@ -9,7 +9,7 @@ none is data parallel over every rank, replicated (as DDP).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hydra.utils import get_object
@@ -93,11 +93,28 @@ class Layout:
 
 
 def layout_of(
-    parallelism: DictConfig, world_size: int, ranks_per_node: int | None = None, *, with_experts: bool = True
+    parallelism: DictConfig,
+    world_size: int,
+    ranks_per_node: int | None = None,
+    *,
+    with_experts: bool = True,
+    replica_groups: int = 1,
 ) -> Layout:
     """The layout the strategy ``parallelism._target_`` resolves ``parallelism`` to on ``world_size`` ranks
     (``ranks_per_node`` resolves ``dp_replicate=-1``; without ``with_experts`` ep is left at 1, for checks that name
-    it themselves). ValueError names degrees that do not fit the world size. No collective."""
+    it themselves). ``replica_groups`` (ft=torchft) split the ranks first: the strategy resolves inside one group,
+    and the groups are the layout's outermost replicas. ValueError names degrees that do not fit the world size.
+    No collective."""
+    if replica_groups > 1:
+        if world_size % replica_groups:
+            raise ValueError(f"{replica_groups} replica groups do not divide the world size {world_size}")
+        inside = layout_of(
+            parallelism,
+            world_size // replica_groups,
+            max(1, ranks_per_node // replica_groups) if ranks_per_node else None,
+            with_experts=with_experts,
+        )
+        return replace(inside, replicate=inside.replicate * replica_groups)
     try:
         strategy: Any = get_object(str(parallelism.get("_target_")))
     except Exception:  # noqa: BLE001 - an unimportable target is refused by validation, with its own line

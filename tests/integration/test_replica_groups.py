@@ -206,6 +206,52 @@ def test_a_stop_signal_stops_every_group_at_one_step_and_resume_is_exact(tmp_pat
     assert summary(run)["final_val_loss"] == pytest.approx(summary(plain_ddp)["final_val_loss"], rel=1e-5)
 
 
+SHARDED = ["parallelism=fsdp", "distributed.nproc_per_node=4"]  # 2 groups of 2 ranks, each sharding the model
+
+
+@pytest.fixture(scope="module")
+def plain_fsdp(tmp_path_factory):
+    """FSDP over the same four ranks without replica groups."""
+    root = tmp_path_factory.mktemp("fsdp")
+    result = run_train([*COMMON, *SHARDED, "hydra.run.dir=run"], root)
+    assert result.returncode == 0, result.stderr
+    return root / "run"
+
+
+def test_groups_that_shard_the_model_train_as_one_fsdp_job(tmp_path, plain_fsdp):
+    """Each group shards the model over its 2 ranks; rank r of each group averages its shards' gradients with
+    rank r of the other group: the same losses as FSDP over the 4 ranks."""
+    result = run_train([*COMMON, *SHARDED, *GROUPS, "hydra.run.dir=run"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    reference = losses(plain_fsdp)
+    assert losses(tmp_path / "run").keys() == reference.keys()
+    for step, loss in losses(tmp_path / "run").items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+    assert summary(tmp_path / "run")["final_val_loss"] == pytest.approx(summary(plain_fsdp)["final_val_loss"], rel=1e-5)
+
+
+def test_a_killed_sharding_group_heals_each_rank_from_its_peer_rank(tmp_path, plain_fsdp):
+    """Both ranks of group 1 killed: on restart, rank r takes rank r's shards (parameters and optimizer state) from
+    group 0, and the job ends close to the uninterrupted one."""
+    run, killed = tmp_path / "run", []
+    result = run_until(
+        tmp_path, [*COMMON, *SHARDED, *GROUPS, "hydra.run.dir=run"],
+        reached(run / "replica_group_1" / "metrics.jsonl", 10), killer(1, killed),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert killed == [1]
+    assert [r["step"] for r in records(run)] == list(range(1, STEPS + 1))  # group 0 never stopped
+    log = (run / "replica_group_1" / "train.log").read_text()
+    assert "joined at step" in log and "resumed from" not in log
+    rejoined = records(run / "replica_group_1")
+    assert rejoined[-1]["step"] == STEPS
+    # Each group evaluates the validation set on its own weights: equal only if every rank of group 1 took its own
+    # shards (parameters and optimizer state, or the next steps would part them) from its peer rank.
+    healed_val = summary(run / "replica_group_1")["final_val_loss"]
+    assert healed_val == pytest.approx(summary(run)["final_val_loss"], rel=1e-6)
+    assert summary(run)["final_val_loss"] == pytest.approx(summary(plain_fsdp)["final_val_loss"], rel=0.02)
+
+
 HIDE_TORCHFT = "import sys; sys.modules['torchft'] = None\n"
 
 
@@ -213,7 +259,7 @@ HIDE_TORCHFT = "import sys; sys.modules['torchft'] = None\n"
     "args, line",
     [
         (["ft.replica_groups=3"], "ft.replica_groups=3 is not allowed: a divisor of the job's 2 ranks"),
-        (["parallelism=fsdp"], "parallelism='fsdp' is not allowed: ddp with ft=torchft"),
+        (["parallelism=pipeline"], "parallelism='pipeline' is not allowed: ddp, fsdp, hsdp, tensor or a mesh"),
         (["comm=topk"], "comm='topk' is not allowed: an option that all-reduces gradients"),
         (["ft.lighthouse=http://127.0.0.1:9"], "ft.lighthouse='http://127.0.0.1:9' is not allowed: a reachable"),
         ([], "ft='torchft' is not allowed: none, or install torchft first: pip install -e '.[ft]'"),

@@ -125,8 +125,9 @@ def test_a_tied_head_refuses_pipelines_in_one_line(saved):
 
 def test_a_meta_model_gives_its_config_and_runs(saved):
     """Export builds the model on the meta device; validation and dry runs run it there."""
+    directory = saved("llama")  # written outside the meta device (the fixture may save it first here)
     with torch.device("meta"):
-        model = HFCausalLM(name_or_path=str(saved("llama")), max_seq_len=16)
+        model = HFCausalLM(name_or_path=str(directory), max_seq_len=16)
         logits = model(TOKENS.to("meta"))
     assert logits.shape == (*TOKENS.shape, 256) and spec_of(model).hf.config(model).model_type == "llama"
 
