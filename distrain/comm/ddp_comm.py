@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from distrain.config.options import Placement
+    from distrain.ft.replicas import ReplicaGroups
 
 
 class DDPComm:
@@ -51,6 +52,10 @@ class DDPComm:
     # With local_steps: whether the ranks clip with one shared norm (top-k's local clipping, one scalar all-reduce
     # per step) or each its own gradient with the whole threshold (DiLoCo's inner steps: no collective).
     shared_clip_norm = True
+    # Under ft=torchft: True when this option syncs the replica groups itself, at the steps ``quorum_due`` names
+    # (DiLoCo's outer steps), instead of the strategy averaging every step's gradients across them.
+    syncs_replica_groups = False
+    replica_groups: ReplicaGroups | None = None  # set by ``sync_replica_groups`` when the option does
 
     def __init__(self, *, name: str, bucket_cap_mb: float, gradient_as_bucket_view: bool, static_graph: bool) -> None:
         self.name = name
@@ -161,6 +166,17 @@ class DDPComm:
         """Whether the loop evaluates or checkpoints after optimizer step ``step`` (none until ``set_schedule``)."""
         del step
         return False
+
+    def sync_replica_groups(self, replica_groups: ReplicaGroups) -> None:
+        """Under ft=torchft, for an option that ``syncs_replica_groups``: exchange across the groups through
+        ``replica_groups`` (its quorum then runs only at the steps ``quorum_due`` names)."""
+        self.replica_groups = replica_groups
+        replica_groups.quorum_due = self.quorum_due
+
+    def quorum_due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` syncs the replica groups (an option that ``syncs_replica_groups``)."""
+        del step
+        return True
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Per-rank state a checkpoint must keep for an exact resume (error feedback residuals); live tensors, so

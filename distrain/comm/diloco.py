@@ -21,6 +21,7 @@ evaluations, checkpoints and the final model are the outer model, the same on ev
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +35,11 @@ from distrain.comm.topk import copy_from_flat, flatten
 from distrain.comm.traffic import all_gather_bytes, all_reduce_bytes
 from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.errors import RunError
+from distrain.ft.config import has_replica_groups
 from distrain.launch.process_group import DistEnv
 from distrain.parallelism.checks import meta_model
+
+log = logging.getLogger("distrain.train")
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -50,6 +54,9 @@ class DiLoCoComm(DDPComm):
 
     local_steps = True
     shared_clip_norm = False
+    # Under ft=torchft the replica groups are the workers: inside a group DDP averages every step's gradients, and
+    # the outer steps average the groups' pseudo-gradients through torchft's Manager, with a quorum only there.
+    syncs_replica_groups = True
 
     def __init__(
         self,
@@ -87,6 +94,11 @@ class DiLoCoComm(DDPComm):
 
         check(cfg, "comm.density", lambda v: v is not None and 0 < v <= 1, "a fraction in (0, 1]")
         check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the pseudo-gradient's factors)")
+        if comm.compression == "topk" and has_replica_groups(cfg):
+            raise ConfigError(
+                "comm.compression", "topk", "none or powersgd with ft=torchft (the groups average through torchft's "
+                "all-reduce; top-k gathers (value, index) pairs)"
+            )  # fmt: skip
         built = meta_model(cfg, strict=False)
         tensors = sum(1 for p in built[0].parameters() if p.requires_grad) if built else None
         if tensors is not None and comm.fragments > tensors:
@@ -105,7 +117,10 @@ class DiLoCoComm(DDPComm):
             self._start_factors()
 
     def average_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """No collective: the bucket keeps this rank's gradient, for this rank's inner optimizer."""
+        """No collective: the bucket keeps this rank's gradient, for this rank's inner optimizer. Under replica
+        groups the group is the worker: DDP's all-reduce over the group's ranks."""
+        if self.replica_groups is not None:
+            return super().average_bucket(bucket)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(bucket.buffer())
         return future
@@ -117,16 +132,22 @@ class DiLoCoComm(DDPComm):
     def finish_update(self, *, stepped: bool = True) -> dict[str, Any]:
         """After the inner step: the outer step of each fragment due now (every fragment on a step the loop
         evaluates or checkpoints after, or the last). The report's ``update_dropped`` is True when a pseudo-gradient
-        mean was not finite: that fragment returns to its outer parameters, unchanged."""
+        mean was not finite: that fragment returns to its outer parameters, unchanged. Under replica groups a sync
+        the quorum does not commit (a group failed during it) changes nothing: the fragments go on from their local
+        parameters and sync at their next turn."""
         del stepped  # a skipped inner step changes nothing here: the fragment syncs what the rank holds
+        due = [index for index in range(self.fragments) if self._syncs(index)]
         dropped = False
-        every = self.is_exact_step(self.step)
-        for index in range(self.fragments):
-            if every or self._due(index):
-                launched = self.clock.mark()
-                dropped |= not self._outer_step(index)
-                self.intervals.append((launched, self.clock.mark()))
-        self.dense_bytes = all_reduce_bytes(self.dense_numel * 4, self.world_size)
+        if due:
+            launched = self.clock.mark()
+            means = [
+                (index, *self._average(index, self.outer[index] - flatten(self.groups[index]).float())) for index in due
+            ]
+            if self._committed():
+                for index, mean, residual in means:
+                    dropped |= not self._apply_outer_step(index, mean, residual)
+            self.intervals.append((launched, self.clock.mark()))
+        self.dense_bytes = all_reduce_bytes(self.dense_numel * 4, self._workers())
         return {
             "comm_bytes": self.bytes_sent,
             "comm_dense_bytes": self.dense_bytes,
@@ -135,17 +156,38 @@ class DiLoCoComm(DDPComm):
             "update_dropped": dropped,
         }
 
-    def _due(self, index: int) -> bool:
-        """Fragment ``index`` syncs after inner step (index+1)*H/F of each cycle of H steps."""
-        return (self.step - (index + 1) * self.sync_every // self.fragments) % self.sync_every == 0
+    def quorum_due(self, step: int) -> bool:
+        """Whether step ``step`` syncs some fragment: the steps with a replica-group quorum."""
+        return self.is_exact_step(step) or any(self._due(index, step) for index in range(self.fragments))
 
-    def _outer_step(self, index: int) -> bool:
-        """One fragment's sync: the mean pseudo-gradient, then the outer Nesterov step; returns whether it was
-        applied (a mean that is not finite, the same on every rank, leaves the outer state and residual as they
-        were and puts the fragment back at its outer parameters)."""
+    def _syncs(self, index: int) -> bool:
+        return self.is_exact_step(self.step) or self._due(index, self.step)
+
+    def _due(self, index: int, step: int) -> bool:
+        """Fragment ``index`` syncs after inner step (index+1)*H/F of each cycle of H steps."""
+        return (step - (index + 1) * self.sync_every // self.fragments) % self.sync_every == 0
+
+    def _workers(self) -> int:
+        """Who averages a pseudo-gradient: the ranks, or under replica groups the groups in the quorum."""
+        return self.replica_groups.participants() if self.replica_groups is not None else self.world_size
+
+    def _committed(self) -> bool:
+        """Without replica groups every sync counts; with them, the quorum decides (and carries a stop signal)."""
+        if self.replica_groups is None or self.replica_groups.commit():
+            return True
+        log.warning(
+            "comm=diloco: the outer step after step %d was not committed by the replica groups' quorum (%s); the "
+            "fragments sync at their next turn",
+            self.step,
+            self.replica_groups.last_failure or "a group failed",
+        )
+        return False
+
+    def _apply_outer_step(self, index: int, mean: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """The outer Nesterov step of one fragment with its mean pseudo-gradient; returns whether it was applied (a
+        mean that is not finite, the same on every rank, leaves the outer state and residual as they were and puts
+        the fragment back at its outer parameters)."""
         params, outer, momentum = self.groups[index], self.outer[index], self.momentum[index]
-        pseudo_gradient = outer - flatten(params).float()
-        mean, residual = self._average(index, pseudo_gradient)
         if not bool(torch.isfinite(mean).all()):
             copy_from_flat(params, outer)
             return False
@@ -225,6 +267,9 @@ class DiLoCoComm(DDPComm):
                 self._factors[(index, position)] = torch.linalg.qr(start)[0].to(param.device)
 
     def _all_reduce_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.replica_groups is not None:  # the groups' mean through torchft's Manager (in place)
+            self.bytes_sent += all_reduce_bytes(flat.numel() * 4, self._workers())
+            return self.replica_groups.average_flat(flat.contiguous())
         flat = flat / self.world_size
         self.bytes_sent += all_reduce_bytes(flat.numel() * 4, self.world_size)
         dist.all_reduce(flat)

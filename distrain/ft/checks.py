@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from distrain.config.checks import ConfigError, at_least, check, positive
-from distrain.config.options import Placement
+from distrain.config.options import Placement, option_of
 from distrain.launch.ranks import inside_launcher
 from distrain.parallelism.capabilities import capabilities_of
 
@@ -59,13 +59,13 @@ def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
             f"{RUNS_INSIDE} with ft=torchft (each replica group runs it on its own ranks, and torchft's Manager "
             "averages the gradients across the groups); or ft=none",
         )
-    if _steps_locally(cfg):
+    if _steps_locally(cfg) and not _syncs_groups(cfg):
         raise ConfigError(
             "comm",
             cfg.comm.name,
             "an option that all-reduces gradients every step with ft=torchft (default, bf16, fp16, powersgd, "
-            "hierarchical: it averages inside each group, the groups then average densely); this one steps each "
-            "rank on its own gradient, which replica groups do not support yet",
+            "hierarchical: it averages inside each group, the groups then average densely), or diloco (the groups "
+            "are its workers); this one steps each rank on its own gradient inside a group",
         )
     if inside_launcher() and not placement.planning:
         raise ConfigError(
@@ -88,6 +88,11 @@ def _steps_locally(cfg: DictConfig) -> bool:
         return bool(getattr(instantiate(cfg.comm), "local_steps", False))
     except Exception:  # noqa: BLE001 - whatever the settings raised, the comm option's check names it
         return False
+
+
+def _syncs_groups(cfg: DictConfig) -> bool:
+    """Whether the comm option syncs the replica groups itself (DiLoCo: the groups are its workers)."""
+    return bool(getattr(option_of(cfg, "comm"), "syncs_replica_groups", False))
 
 
 def lighthouse_problem(address: str, timeout_s: float = 3.0) -> str | None:

@@ -150,13 +150,21 @@ class ReplicaGroups:
         while int(store.add("groups_connected", 0)) < self.count and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def begin_step(self) -> None:
-        """Start the step's quorum (blocking): it may reconfigure the cross-group process group after a group
-        left or joined, and heal this group when it is behind."""
+    def begin_step(self, step: int) -> None:
+        """Start step ``step``'s quorum (blocking) when one is due: it may reconfigure the cross-group process group
+        after a group left or joined, and heal this group when it is behind. Every step has one, unless the comm
+        option syncs the groups itself at steps of its own (``quorum_due``: DiLoCo's outer steps)."""
         if self._quorum_started:
             self._quorum_started = False
             return
-        self.manager.start_quorum()
+        if self.quorum_due(step):
+            self.manager.start_quorum()
+
+    @staticmethod
+    def quorum_due(step: int) -> bool:
+        """Whether optimizer step ``step`` runs a quorum (replaced by a comm option that syncs the groups itself)."""
+        del step
+        return True
 
     def average(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Average ``tensors`` in place across the groups of this step's quorum (one all-reduce of one flat buffer),
@@ -165,19 +173,42 @@ class ReplicaGroups:
         # One more entry carries whether a stop signal had reached this rank: the groups' step-end agreements read
         # only what this all-reduce carried (``AgreedStop``), so every group stops after the same step, as the
         # ranks of one job do; a signal that arrives later rides in the next step's all-reduce.
-        signal_name = self.stop.request.signal_name if self.stop is not None else None
+        signal_name = self._signal_name()
         flag = torch.full((1,), float(signal_name is not None), dtype=tensors[0].dtype, device=tensors[0].device)
         flat = _flatten_dense_tensors([*tensors, flag])
         self.manager.allreduce(flat).wait()
         self.bytes_sent = all_reduce_bytes(flat.numel() * flat.element_size(), self.participants())
-        committed = self.manager.should_commit()
-        error = self.manager.errored()
-        self.last_failure = " ".join(str(error.original_exception).split())[:200] if error is not None else None
+        committed = self._decide(flat[-1], signal_name)
         if committed:
             for tensor, averaged in zip(tensors, _unflatten_dense_tensors(flat, list(tensors)), strict=False):
                 tensor.copy_(averaged)
-            if flat[-1] > 0 and self.stop is not None:
-                self.stop.signal_name = signal_name or "a signal to another replica group"
+        return committed
+
+    def average_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        """Average ``flat`` in place across the groups of the current quorum and return it (one all-reduce over
+        torchft's process group); for a comm option that syncs the groups itself. Its values count only once
+        ``commit`` says so: after a group failed they may be partial."""
+        self.manager.allreduce(flat).wait()
+        return flat
+
+    def commit(self) -> bool:
+        """End a sync made of ``average_flat`` calls: one more all-reduce carries the stop flag (as ``average``
+        does), then the quorum's decision. False: a group failed during the sync; its averages are void."""
+        signal_name = self._signal_name()
+        flag = torch.full((1,), float(signal_name is not None))
+        self.manager.allreduce(flag).wait()
+        return self._decide(flag[0], signal_name)
+
+    def _signal_name(self) -> str | None:
+        return self.stop.request.signal_name if self.stop is not None else None
+
+    def _decide(self, flag: torch.Tensor, signal_name: str | None) -> bool:
+        """``should_commit``; when committed and some group's flag was set, the agreed stop takes it."""
+        committed = self.manager.should_commit()
+        error = self.manager.errored()
+        self.last_failure = " ".join(str(error.original_exception).split())[:200] if error is not None else None
+        if committed and flag > 0 and self.stop is not None:
+            self.stop.signal_name = signal_name or "a signal to another replica group"
         return committed
 
     def agreed_stop(self, request: StopRequest) -> AgreedStop:

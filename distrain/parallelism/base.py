@@ -215,7 +215,9 @@ class LocalBackwardStrategy:
                 loss_sum += as_tensor(micro_loss.detach())
         self._marks["backward_done"] = self.ctx.clock.mark()
         self._marks |= self.ctx.comm.step_report()
-        if self.ctx.replica_groups is not None and not self._average_across_replicas(loss_sum):
+        if self.ctx.replica_groups is not None and self.ctx.comm.syncs_replica_groups:  # at its outer steps only
+            self._marks["replica_metrics"] = {"replica_groups": float(self.ctx.replica_groups.participants())}
+        elif self.ctx.replica_groups is not None and not self._average_across_replicas(loss_sum):
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(loss=loss_sum / total_tokens, grad_norm=torch.zeros(()), committed=False)
         self._marks["model_metrics"] = self.spec.step_metrics(self.unwrapped)
@@ -263,13 +265,23 @@ class LocalBackwardStrategy:
     def replica_state(self) -> dict[str, Any]:
         """Model, optimizer, scheduler and scaler state as plain tensors in memory: what a healing replica group
         copies from this one (ft=torchft). Sharded tensors travel as this rank's parts (rank r of the healing group
-        holds the same shards as rank r here)."""
-        return local_parts(self._state_dict())
+        holds the same shards as rank r here). With a comm option that syncs the groups itself (DiLoCo), also its
+        state: the outer model and momentum are the job's."""
+        state = local_parts(self._state_dict())
+        if self.ctx.comm.syncs_replica_groups:
+            state["comm"] = self.ctx.comm.state_dict()
+        return state
 
     def load_replica_state(self, state: dict[str, Any]) -> None:
-        """Take a live peer's ``replica_state`` (the comm option's own per-rank state starts afresh at its step)."""
+        """Take a live peer's ``replica_state`` (the comm option's own per-rank state starts afresh at its step,
+        unless the peer sent it)."""
         self._apply_state(as_placed(self._state_dict(), state), self.own_optimizer_key())
-        self.ctx.comm.on_resume(self.scheduler.last_epoch, restored=False)
+        sent = state.get("comm")
+        if sent:
+            live = self.ctx.comm.state_dict()
+            for key, value in sent.items():
+                live[key].copy_(value)
+        self.ctx.comm.on_resume(self.scheduler.last_epoch, restored=bool(sent))
 
     def _apply_state(self, state: dict[str, Any], optimizer_key: str) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict

@@ -72,6 +72,14 @@ class DDPStrategy(LocalBackwardStrategy):
             state[f"comm_rank{self.ctx.env.rank}"] = comm_state
         return state
 
+    def replica_state(self) -> dict[str, Any]:
+        # The comm option's state travels under its own key there, when the option needs it (base class).
+        self._with_comm_state = False
+        try:
+            return super().replica_state()
+        finally:
+            self._with_comm_state = True
+
     def load_checkpoint(self, path: Path, extra: dict[str, Any]) -> dict[str, Any]:
         """Also restores the comm option's state when the checkpoint has it for this rank and was written by
         the same world size (a residual belongs to one rank's data shard) with the same keys (the same option and

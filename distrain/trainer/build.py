@@ -76,6 +76,8 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     precision = instantiate(cfg.precision)
     comm = instantiate(cfg.comm)
     replica_groups = instantiate(cfg.ft) if has_replica_groups(cfg) else None
+    if replica_groups is not None and comm.syncs_replica_groups:  # DiLoCo: the groups are its workers
+        comm.sync_replica_groups(replica_groups)
     strategy.setup(
         model,
         StrategyContext(

@@ -183,7 +183,7 @@ def _step(loop: _Loop) -> None:
     state, settings, window, strategy = loop.state, loop.settings, loop.window, loop.strategy
     marks = {"step_start": window.clock.mark()}
     if loop.replica_groups is not None:  # the step's quorum; a group behind takes a peer's state (and step) here
-        loop.replica_groups.begin_step()
+        loop.replica_groups.begin_step(state.step + 1)
         position = loop.data.state_dict()
     try:
         micro_batches = loop.data.next_step()
