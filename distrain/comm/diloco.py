@@ -17,6 +17,11 @@ parameters' device, one per fragment. Collectives: only at a fragment's sync, on
 (dense), an all-gather of (value, index) pairs (topk) or two all-reduces of factors plus one of the vectors
 (powersgd). Steps the loop evaluates or checkpoints after, and the last, synchronise every fragment, so
 evaluations, checkpoints and the final model are the outer model, the same on every rank.
+
+Under ``ft=torchft`` the workers are the replica groups: inside a group DDP all-reduces every step's gradients
+over the group's ranks; an outer step starts with a torchft quorum (``quorum_due``), averages the pseudo-gradient
+(or PowerSGD's factors) through the Manager's all-reduce over the groups, then one more all-reduce carries the stop
+flag and ``should_commit`` decides whether the outer step is applied.
 """
 
 from __future__ import annotations
@@ -94,6 +99,12 @@ class DiLoCoComm(DDPComm):
 
         check(cfg, "comm.density", lambda v: v is not None and 0 < v <= 1, "a fraction in (0, 1]")
         check(cfg, "comm.rank", at_least(1), "an integer >= 1 (rank of the pseudo-gradient's factors)")
+        if has_replica_groups(cfg) and cfg.ft.replica_groups > 2 and placement.world_size > 1:
+            raise ConfigError(
+                "ft.replica_groups", cfg.ft.replica_groups, "2 with comm=diloco and groups of several ranks (a "
+                "healing group's ranks may copy different live groups, whose inner states differ), or one rank per "
+                "group (distributed.nproc_per_node = ft.replica_groups)"
+            )  # fmt: skip
         if comm.compression == "topk" and has_replica_groups(cfg):
             raise ConfigError(
                 "comm.compression", "topk", "none or powersgd with ft=torchft (the groups average through torchft's "
@@ -113,6 +124,7 @@ class DiLoCoComm(DDPComm):
         self.residual = [torch.zeros_like(outer) for outer in self.outer] if self.compression != "none" else []
         self.dense_numel = sum(p.numel() for p in params)
         self._factors: dict[tuple[int, int], torch.Tensor] = {}  # powersgd's warm-started Q per (fragment, matrix)
+        self._new_factors: dict[tuple[int, int], torch.Tensor] = {}  # this sync's, kept once it counts
         if self.compression == "powersgd":
             self._start_factors()
 
@@ -146,8 +158,14 @@ class DiLoCoComm(DDPComm):
             if self._committed():
                 for index, mean, residual in means:
                     dropped |= not self._apply_outer_step(index, mean, residual)
+                for key, factor in self._new_factors.items():  # PowerSGD's warm start moves only with the sync
+                    self._factors[key].copy_(factor)
+            self._new_factors.clear()
             self.intervals.append((launched, self.clock.mark()))
-        self.dense_bytes = all_reduce_bytes(self.dense_numel * 4, self._workers())
+        # What a dense all-reduce of every step would send: across the workers (plus, under replica groups, the
+        # group's own all-reduce, which its DDP hook counted).
+        across = all_reduce_bytes(self.dense_numel * 4, self._workers())
+        self.dense_bytes = self.dense_bytes + across if self.replica_groups is not None else across
         return {
             "comm_bytes": self.bytes_sent,
             "comm_dense_bytes": self.dense_bytes,
@@ -250,7 +268,7 @@ class DiLoCoComm(DDPComm):
             )
             new_qs = _split_as(new_qs, [q.shape for q in qs])
             for i, ((at, m), p, q) in enumerate(zip(matrices, ps, new_qs, strict=True)):
-                self._factors[(index, i)].copy_(q)
+                self._new_factors[(index, i)] = q
                 mean[at : at + m.numel()] = (p @ q.T).reshape(-1)
                 mine[at : at + m.numel()] = (p @ (m.T @ p).T).reshape(-1)
         return mine, mean

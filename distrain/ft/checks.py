@@ -83,7 +83,7 @@ def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
 
 def _steps_locally(cfg: DictConfig) -> bool:
     """Whether the comm option steps each rank on its own gradient (an option built from its settings: top-k does
-    with update feedback). One that cannot be built is left to its own check, which runs next."""
+    with update feedback). One that cannot be built is left to its own check, which runs after ft's."""
     try:
         return bool(getattr(instantiate(cfg.comm), "local_steps", False))
     except Exception:  # noqa: BLE001 - whatever the settings raised, the comm option's check names it

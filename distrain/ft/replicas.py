@@ -127,8 +127,16 @@ class ReplicaGroups:
     def join(self) -> None:
         """The first quorum, before the run's reporting starts: a group that (re)starts while others train takes
         their state here (step, data position, model, optimizer). The first step then uses this quorum."""
+        # torchft heals a group only when its step is below the others'. Steps count commits, which under DiLoCo
+        # happen only at outer steps: a restarted attempt could match the live groups' count (killed before their
+        # first commit, or resumed from a checkpoint of their last one) and train on from its own state. So the live
+        # groups count from 1 and a restarted attempt joins at 0: it always takes a live group's state.
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:  # the group's agent did not restart it
             self._meet_the_other_groups()
+            if self.manager.current_step() == 0:
+                self.manager.load_state_dict({"step": 1, "batches_committed": 0})
+        else:
+            self.manager.load_state_dict({"step": 0, "batches_committed": 0})
         before = self.manager.current_step()
         self.manager.start_quorum()
         self._quorum_started = True

@@ -267,9 +267,13 @@ class LocalBackwardStrategy:
         copies from this one (ft=torchft). Sharded tensors travel as this rank's parts (rank r of the healing group
         holds the same shards as rank r here). With a comm option that syncs the groups itself (DiLoCo), also its
         state: the outer model and momentum are the job's."""
-        state = local_parts(self._state_dict())
-        if self.ctx.comm.syncs_replica_groups:
-            state["comm"] = self.ctx.comm.state_dict()
+        # torchft serves these tensors while training goes on. Every step's commit ends the serving before the
+        # optimizer steps; a comm option syncing the groups itself takes inner steps before its commit, so it serves
+        # a copy (only made when some group heals).
+        copy = self.ctx.comm.syncs_replica_groups
+        state = local_parts(self._state_dict(), copy=copy)
+        if copy:
+            state["comm"] = local_parts(self.ctx.comm.state_dict(), copy=True)
         return state
 
     def load_replica_state(self, state: dict[str, Any]) -> None:

@@ -26,14 +26,17 @@ def local_value(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if is_dtensor(value) else value
 
 
-def local_parts(state: Any) -> Any:
+def local_parts(state: Any, *, copy: bool = False) -> Any:
     """``state`` (nested dicts and lists) with every DTensor replaced by this rank's local part: what pickles and
-    travels without its device mesh (a healing replica group's copy, whose rank r holds rank r's shards)."""
+    travels without its device mesh (a healing replica group's copy, whose rank r holds rank r's shards). ``copy``:
+    each tensor cloned, so the result stays as it is while training changes the originals."""
     if isinstance(state, dict):
-        return {key: local_parts(value) for key, value in state.items()}
+        return {key: local_parts(value, copy=copy) for key, value in state.items()}
     if isinstance(state, list | tuple):
-        return type(state)(local_parts(value) for value in state)
-    return local_value(state) if isinstance(state, torch.Tensor) else state
+        return type(state)(local_parts(value, copy=copy) for value in state)
+    if not isinstance(state, torch.Tensor):
+        return state
+    return local_value(state).clone() if copy else local_value(state)
 
 
 def as_placed(template: Any, parts: Any) -> Any:
