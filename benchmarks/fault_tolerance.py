@@ -140,9 +140,10 @@ def main() -> None:
         "trainer.progress_bar=false",
         "checkpoint=none",
         "logger=none",
+        "distributed.threads_per_rank=1",  # the groups' ranks share the machine's cores: step times compare
     ]
     if args.diloco:
-        common += [*DILOCO, "distributed.threads_per_rank=1"]
+        common += DILOCO
     # Kills at random steps, one per stretch of the run, of each group in turn (group 0 writes the run's metrics
     # and, while it lives, the checkpoints; a run with it killed must end the same).
     draw = random.Random(args.seed)

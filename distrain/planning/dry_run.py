@@ -25,7 +25,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from distrain.config.global_batch import validate_data_fits
+from distrain.config.options import Placement
 from distrain.config.validate import ConfigError, Target, validate
+from distrain.ft.config import replica_group_count
 from distrain.launch.process_group import resolve_device_type
 from distrain.launch.ranks import default_nproc_per_node
 from distrain.models.meta import meta_device
@@ -173,12 +175,16 @@ def plan(cfg: DictConfig) -> DryRunReport:
     new_model = partial(_model_with_recomputation, cfg)
     with meta_device():
         parameters = sum(p.numel() for p in new_model().parameters())
-    mesh = layout_of(cfg.parallelism, target.world_size, target.ranks_per_node)
-    dist.init_process_group("fake", store=_fake_store(), rank=0, world_size=target.world_size)
+    # Under replica groups each group runs the layout on its own ranks: one group's ranks are planned.
+    groups = replica_group_count(cfg)
+    inside = Placement(target.world_size, target.ranks_per_node, target.device_type, True, groups).inside_group()
+    in_group = layout_of(cfg.parallelism, inside.world_size, inside.ranks_per_node)
+    mesh = layout_of(cfg.parallelism, target.world_size, target.ranks_per_node, replica_groups=groups)
+    dist.init_process_group("fake", store=_fake_store(), rank=0, world_size=inside.world_size)
     try:
         ranks = predict_rank_memory(
             strategy,
-            layout=mesh,
+            layout=in_group,
             new_model=new_model,
             precision=precision,
             workload=workload,

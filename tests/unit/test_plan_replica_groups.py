@@ -1,0 +1,19 @@
+"""The dry run under ft=torchft plans one replica group's ranks: each group shards the model over its own ranks,
+and the groups multiply the data-parallel degree (the global batch)."""
+
+from helpers import compose_config
+
+from distrain.planning.dry_run import plan
+
+COMMON = ["data=synthetic", "target.device=cuda", "model=llama_tiny", "parallelism=fsdp", "target.nodes=1"]
+HELD = ("params", "grads", "optimizer", "gathered")
+
+
+def test_groups_of_fsdp_ranks_hold_the_shards_of_their_own_group_size():
+    grouped = plan(compose_config([*COMMON, "target.ranks_per_node=4", "ft=torchft", "ft.replica_groups=2"]))
+    two = plan(compose_config([*COMMON, "target.ranks_per_node=2"]))
+    four = plan(compose_config([*COMMON, "target.ranks_per_node=4"]))
+    assert [getattr(grouped.ranks[0], key) for key in HELD] == [getattr(two.ranks[0], key) for key in HELD]
+    assert grouped.ranks[0].params > four.ranks[0].params
+    assert grouped.data_parallel == four.data_parallel == 4
+    assert grouped.global_batch_size == four.global_batch_size
