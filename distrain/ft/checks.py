@@ -74,6 +74,11 @@ def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
             "started by python train.py itself (it starts one process set per replica group), not under "
             "torchrun or srun",
         )
+    if placement.planning and placement.world_size > placement.ranks_per_node:  # a dry run for several nodes
+        raise ConfigError(
+            "target.nodes", placement.world_size // placement.ranks_per_node, "1 with ft=torchft (replica groups "
+            "run on one machine for now: train.py starts them itself)"
+        )  # fmt: skip
     if cfg.ft.lighthouse and not placement.planning:
         problem = lighthouse_problem(cfg.ft.lighthouse)
         if problem:

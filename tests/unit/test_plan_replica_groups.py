@@ -1,8 +1,10 @@
 """The dry run under ft=torchft plans one replica group's ranks: each group shards the model over its own ranks,
 and the groups multiply the data-parallel degree (the global batch)."""
 
+import pytest
 from helpers import compose_config
 
+from distrain.config.checks import ConfigError
 from distrain.planning.dry_run import plan
 
 COMMON = ["data=synthetic", "target.device=cuda", "model=llama_tiny", "parallelism=fsdp", "target.nodes=1"]
@@ -17,3 +19,11 @@ def test_groups_of_fsdp_ranks_hold_the_shards_of_their_own_group_size():
     assert grouped.ranks[0].params > four.ranks[0].params
     assert grouped.data_parallel == four.data_parallel == 4
     assert grouped.global_batch_size == four.global_batch_size
+
+
+def test_a_plan_of_replica_groups_across_nodes_is_refused_as_a_launch_would_be():
+    cfg = compose_config(
+        [*COMMON[:-1], "target.nodes=2", "target.ranks_per_node=4", "ft=torchft", "ft.replica_groups=2"]
+    )
+    with pytest.raises(ConfigError, match="target.nodes=2 is not allowed: 1 with ft=torchft"):
+        plan(cfg)
