@@ -32,6 +32,7 @@ from distrain.config.schema import register_configs
 from distrain.config.validate import ConfigError, LaunchPlan, make_paths_absolute, validate
 from distrain.errors import RUN_ERROR_FILE, ArtifactError, RunError, run_error_line
 from distrain.ft.config import has_replica_groups
+from distrain.launch.fork_server import shadowing_package
 from distrain.launch.ranks import (
     ChildFailedError,
     adopt_slurm_tasks,
@@ -162,6 +163,9 @@ def run(cfg: DictConfig) -> float | None:
         plan = validate(cfg)
     except ConfigError as err:
         refuse(err)
+    if not inside_launcher() and (shadowed := shadowing_package()):  # this launcher forks its ranks
+        print(f"distrain: {shadowed}", file=sys.stderr)
+        sys.exit(2)
     run_dir = hydra_cfg.runtime.output_dir
     if launcher_rank() == 0:  # other ranks' run directory is "." (prepare_command_line): not theirs to inspect
         try:

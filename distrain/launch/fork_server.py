@@ -18,6 +18,7 @@ import os
 import signal
 from collections.abc import Callable
 from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 # What the launcher forwards to its ranks (SIGINT aside: the server ignores it already, as multiprocessing does).
@@ -48,3 +49,17 @@ def start_fork_server(entrypoint: Callable[..., Any]) -> None:
     multiprocessing.set_forkserver_preload(list(dict.fromkeys(modules)))
     forkserver.ensure_running()
     _started_with = environment
+
+
+def shadowing_package(cwd: Path | None = None) -> str | None:
+    """Why the ranks would run another distrain than this launcher, or None: a ``distrain/`` package in the working
+    directory (an older checkout) that is not this one. The fork server puts the working directory first on its
+    module path (Python 3.11's forkserver does not take the launcher's), so its ranks would import that copy."""
+    here = Path(__file__).resolve().parents[1]
+    found = (cwd or Path.cwd()) / "distrain"
+    if not (found / "__init__.py").is_file() or found.resolve() == here:
+        return None
+    return (
+        f"the working directory holds another distrain package ({found}), which the ranks would import instead of "
+        f"this launcher's ({here}); run train.py from another directory, or from that checkout"
+    )
