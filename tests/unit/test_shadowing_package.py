@@ -20,7 +20,7 @@ def test_another_checkout_in_the_working_directory_is_named(tmp_path):
 
 def test_train_py_refuses_to_start_ranks_from_there(tmp_path):
     (tmp_path / "distrain").mkdir()
-    (tmp_path / "distrain" / "__init__.py").write_text("raise SystemExit('the old copy was imported.)\n")
+    (tmp_path / "distrain" / "__init__.py").write_text("raise SystemExit('the old copy was imported')\n")
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "data.corpus.max_bytes=200000", "trainer.max_steps=1",
          "distributed.nproc_per_node=2", "logger=none", "checkpoint=none"],
