@@ -9,7 +9,7 @@ import sys
 import time
 
 import psutil
-from helpers import REPO
+from helpers import REPO, run_train
 
 SLOW_STEPS = {"DISTRAIN_INJECT_DELAY": "0:0.1"}  # rank 0 of each group sleeps 0.1 s per step: room for the kill
 
@@ -96,3 +96,11 @@ def joined(run, group, times):
     """True once group's train.log says it joined (healed) ``times`` times."""
     log = (run if group == 0 else run / f"replica_group_{group}") / "train.log"
     return lambda: log.exists() and log.read_text().count("joined at step") >= times
+
+
+def reference_run(tmp_path_factory, name, args):
+    """The run directory of train.py with ``args`` (a job without replica groups, to compare the groups against)."""
+    root = tmp_path_factory.mktemp(name)
+    result = run_train([*args, "hydra.run.dir=run"], root)
+    assert result.returncode == 0, result.stderr
+    return root / "run"

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 from helpers import FAST, run_train
-from replica_groups_helpers import killer, losses, reached, records, run_until, summary
+from replica_groups_helpers import killer, losses, reached, records, reference_run, run_until, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,10 +28,7 @@ GROUPS = ["ft=torchft", "ft.replica_groups=2"]
 @pytest.fixture(scope="module")
 def plain_diloco(tmp_path_factory):
     """DiLoCo over the two ranks of one job: each rank a worker."""
-    root = tmp_path_factory.mktemp("diloco")
-    result = run_train([*COMMON, "hydra.run.dir=run"], root)
-    assert result.returncode == 0, result.stderr
-    return root / "run"
+    return reference_run(tmp_path_factory, "diloco", COMMON)
 
 
 def sent(run_dir):

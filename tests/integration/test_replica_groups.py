@@ -7,7 +7,7 @@ import signal
 
 import pytest
 from helpers import FAST, run_train
-from replica_groups_helpers import joined, killer, losses, reached, records, run_until, run_with, summary
+from replica_groups_helpers import joined, killer, losses, reached, records, reference_run, run_until, run_with, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -19,10 +19,7 @@ GROUPS = ["ft=torchft", "ft.replica_groups=2"]
 @pytest.fixture(scope="module")
 def plain_ddp(tmp_path_factory):
     """The same job without replica groups: DDP over the same two ranks."""
-    root = tmp_path_factory.mktemp("ddp")
-    result = run_train([*COMMON, "hydra.run.dir=run"], root)
-    assert result.returncode == 0, result.stderr
-    return root / "run"
+    return reference_run(tmp_path_factory, "ddp", [*COMMON])
 
 
 def test_two_groups_train_as_one_ddp_job(tmp_path, plain_ddp):
@@ -117,10 +114,7 @@ SHARDED = ["parallelism=fsdp", "distributed.nproc_per_node=4"]  # 2 groups of 2 
 @pytest.fixture(scope="module")
 def plain_fsdp(tmp_path_factory):
     """FSDP over the same four ranks without replica groups."""
-    root = tmp_path_factory.mktemp("fsdp")
-    result = run_train([*COMMON, *SHARDED, "hydra.run.dir=run"], root)
-    assert result.returncode == 0, result.stderr
-    return root / "run"
+    return reference_run(tmp_path_factory, "fsdp", [*COMMON, *SHARDED])
 
 
 def test_groups_that_shard_the_model_train_as_one_fsdp_job(tmp_path, plain_fsdp):
