@@ -25,7 +25,7 @@ from distrain.config.options import Placement, own_checks
 from distrain.data.token_format import DataError
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
 from distrain.errors import ArtifactError
-from distrain.ft.config import replica_group_count
+from distrain.ft.config import launcher_count, replica_group_count
 from distrain.launch.process_group import resolve_device_type
 from distrain.launch.ranks import default_nproc_per_node, inside_launcher
 from distrain.optim.checks import validate_optimizer
@@ -135,7 +135,7 @@ def _validate_config(cfg: DictConfig, target: Target | None) -> LaunchPlan:
     if target:
         world_size = target.world_size
     else:
-        world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else nproc
+        world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else nproc * launcher_count(cfg)
     _validate_checkpoint(cfg, world_size)
     check(cfg, "activation_checkpointing_every", at_least(1), "an integer >= 1 (every n-th block)")
     if cfg.compile:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.config.options import Placement, option_of
-from distrain.launch.ranks import inside_launcher
+from distrain.launch.ranks import inside_launcher, slurm_tasks
 from distrain.parallelism.capabilities import capabilities_of
 
 INSTALL = "pip install -e '.[ft]' (torchft==0.2.0)"
@@ -34,8 +34,8 @@ def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
         raise ConfigError(
             "ft.replica_groups",
             groups,
-            f"a divisor of the job's {placement.world_size} ranks (distributed.nproc_per_node): the ranks split "
-            "evenly into the groups",
+            f"a divisor of the job's {placement.world_size} ranks (nodes x distributed.nproc_per_node): the ranks "
+            "split evenly into the groups",
         )
     check(
         cfg,
@@ -71,19 +71,30 @@ def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
         raise ConfigError(
             "ft",
             "torchft",
-            "started by python train.py itself (it starts one process set per replica group), not under "
-            "torchrun or srun",
+            "started by python train.py itself, on one machine or as one SLURM task per node (it starts each node's "
+            "process sets, one per replica group), not under torchrun or as one SLURM task per rank",
         )
-    if placement.planning and placement.world_size > placement.ranks_per_node:  # a dry run for several nodes
+    if slurm_tasks()[1] > 1 and not placement.planning:
         raise ConfigError(
-            "target.nodes", placement.world_size // placement.ranks_per_node, "1 with ft=torchft (replica groups "
-            "run on one machine for now: train.py starts them itself)"
+            "hydra.launcher.tasks_per_node", slurm_tasks()[1], "1 with ft=torchft (the task on each node starts "
+            "the node's distributed.nproc_per_node ranks and runs whole replica groups on them)"
         )  # fmt: skip
+    _check_groups_per_node(groups, placement)
     if cfg.ft.lighthouse and not placement.planning:
         problem = lighthouse_problem(cfg.ft.lighthouse)
         if problem:
             raise ConfigError("ft.lighthouse", cfg.ft.lighthouse, f"a reachable torchft lighthouse: {problem}")
     return []
+
+
+def _check_groups_per_node(groups: int, placement: Placement) -> None:
+    """Each node (each SLURM task, each dry run's target node) runs whole groups, the same number of them."""
+    nodes = placement.world_size // placement.ranks_per_node
+    if groups % nodes:
+        raise ConfigError(
+            "ft.replica_groups", groups, f"a multiple of the job's {nodes} nodes: a replica group runs on the ranks "
+            "of one node, and every node runs as many groups"
+        )  # fmt: skip
 
 
 def _steps_locally(cfg: DictConfig) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from distrain.launch.ranks import slurm_tasks
+
 
 @dataclass(kw_only=True)
 class NoReplicaGroupsConfig:
@@ -41,3 +43,10 @@ def has_replica_groups(cfg: Any) -> bool:
 def replica_group_count(cfg: Any) -> int:
     """How many replica groups the job's ranks split into (1 without groups): the layout's outermost replicas."""
     return int(cfg.ft.get("replica_groups", 1) or 1) if has_replica_groups(cfg) else 1
+
+
+def launcher_count(cfg: Any) -> int:
+    """How many launchers start the job's ranks: under replica groups in a SLURM job, one task per node, each
+    starting its node's ``distributed.nproc_per_node`` ranks; otherwise this process alone (or, under torchrun and
+    multi-task SLURM jobs without groups, the ranks themselves: ``WORLD_SIZE`` counts them)."""
+    return slurm_tasks()[0] if has_replica_groups(cfg) else 1

@@ -1,5 +1,6 @@
-"""Starting ``ft=torchft``'s replica groups on this machine: the lighthouse (unless an external one is given), then
-one supervisor process per group, each running that group's ranks under its own elastic agent.
+"""Starting ``ft=torchft``'s replica groups on this machine (or on this node of a SLURM job, one task per node): the
+lighthouse (unless an external one is given; in a SLURM job, on the first node), then one supervisor process per group
+of this machine, each running that group's ranks under its own elastic agent.
 
 A group's ranks form their own torch.distributed world (its own rendezvous and store); a rank that fails takes only
 its group down, and that group's agent restarts it (``ft.max_restarts`` times) while the other groups keep stepping
@@ -25,9 +26,11 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from distrain.errors import RunError
+from distrain.ft.coordination import JobCoordination, Launchers, groups_of
 from distrain.ft.replicas import REPLICA_GROUP_ENV, START_STORE_ENV
 
 log = logging.getLogger("distrain.launch")
+POLL_S = 1.0  # how often a launcher of several (one per SLURM node) asks the store whether another finished the run
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -43,29 +46,17 @@ def run_replica_groups(
     group that finished, when group 0 failed for good). Raises ``SignalException`` when a stop signal ended the
     groups, ``RunError`` when no group finished."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and manager servers log every quorum at info
-    lighthouse = None
-    if not ft.lighthouse:
-        from torchft.coordination import LighthouseServer
-
-        lighthouse = LighthouseServer(
-            bind="[::]:0",
-            min_replicas=ft.min_replicas,
-            join_timeout_ms=ft.join_timeout_ms,
-            heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
-            quorum_tick_ms=ft.quorum_tick_ms,
-        )
-        rank_args[0]["ft"]["lighthouse"] = lighthouse.address()
-    # Where the groups meet once before their first quorum (ReplicaGroups.join): a group whose ranks start faster
-    # would otherwise form a quorum alone and train its first steps without the others.
-    from torch.distributed import TCPStore
-
-    start_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    os.environ[START_STORE_ENV] = f"127.0.0.1:{start_store.port}"
-    per_group = nproc_per_node // ft.replica_groups
+    launchers = Launchers.of_this_job()
+    groups = groups_of(launchers, ft.replica_groups)
+    per_group = nproc_per_node // len(groups)
     context = multiprocessing.get_context("spawn")
-    pending: dict[int, tuple[Any, Connection]] = {}
-    try:
-        for group in range(ft.replica_groups):
+    with JobCoordination(launchers, ft) as job:
+        rank_args[0]["ft"]["lighthouse"] = job.lighthouse
+        # Where the groups meet once before their first quorum (ReplicaGroups.join): a group whose ranks start
+        # faster would otherwise form a quorum alone and train its first steps without the others.
+        os.environ[START_STORE_ENV] = job.store_address
+        pending: dict[int, tuple[Any, Connection]] = {}
+        for group in groups:
             reader, writer = context.Pipe(duplex=False)
             process = context.Process(
                 target=_supervise_group,
@@ -76,25 +67,33 @@ def run_replica_groups(
         with _forwarded_signals([process for process, _ in pending.values()]):
             for process, _ in pending.values():
                 process.start()
-            outcomes = _collect(pending, ft.timeout_s, partial(_final_checkpoint_written, rank_args[0]))
-    finally:
-        if lighthouse is not None:
-            lighthouse.shutdown()
+            outcomes = _collect(pending, ft.timeout_s, partial(_final_checkpoint_written, rank_args[0]), job)
     return _job_result(outcomes)
 
 
 def _collect(
-    pending: dict[int, tuple[Any, Connection]], grace_s: float, final_saved: Callable[[], bool]
+    pending: dict[int, tuple[Any, Connection]],
+    grace_s: float,
+    final_saved: Callable[[], bool],
+    job: JobCoordination,
 ) -> dict[int, tuple[str, Any]]:
     """Each group's outcome as its supervisor sent it, or ("failed", why) when it died without sending one. Once a
-    group has finished the run, the others get ``grace_s`` to finish too; a group still running then (restarted
-    after the others were done, it would train the whole run again alone) is stopped, but never before the run's
-    final checkpoint is complete (``final_saved``: the group writing it may be the one still running)."""
+    group has finished the run (here, or on another node: ``job``), the others get ``grace_s`` to finish too; a group
+    still running then (restarted after the others were done, it would train the whole run again alone) is stopped,
+    but never before the run's final checkpoint is complete (``final_saved``: the group writing it may be the one
+    still running)."""
     outcomes: dict[int, tuple[str, Any]] = {}
     pending, deadline = dict(pending), None
     while pending:
+        if deadline is None and job.finished_elsewhere():
+            deadline = time.monotonic() + grace_s
         waitables = [reader for _, reader in pending.values()] + [process.sentinel for process, _ in pending.values()]
-        ready = set(wait(waitables, timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
+        # Another node's news arrives through the store, which is polled: a launcher alone waits for its groups.
+        wake = None if job.launchers.count == 1 else POLL_S
+        if deadline is not None:
+            remaining = max(0.0, deadline - time.monotonic())
+            wake = remaining if wake is None else min(wake, remaining)
+        ready = set(wait(waitables, timeout=wake))
         for group, (process, reader) in list(pending.items()):
             outcome = _outcome(process, reader) if reader in ready or process.sentinel in ready else None
             if outcome is None and deadline is not None and time.monotonic() >= deadline and final_saved():
@@ -105,8 +104,9 @@ def _collect(
             outcomes[group] = outcome
             process.join()
             del pending[group]
-            if outcome[0] == "ok" and deadline is None:
-                deadline = time.monotonic() + grace_s
+            if outcome[0] == "ok":
+                job.announce_finished()
+                deadline = deadline or time.monotonic() + grace_s
     return outcomes
 
 

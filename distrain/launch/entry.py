@@ -158,7 +158,8 @@ def run(cfg: DictConfig) -> float | None:
         sys.exit(2)
     if cfg.dry_run:
         return plan_only(cfg, hydra_cfg.runtime.output_dir)
-    adopt_slurm_tasks()  # a multi-task SLURM job: this task is one rank
+    if not has_replica_groups(cfg):  # a multi-task SLURM job: this task is one rank (with groups: one node's ranks)
+        adopt_slurm_tasks()
     try:
         plan = validate(cfg)
     except ConfigError as err:

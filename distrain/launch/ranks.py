@@ -29,6 +29,7 @@ __all__ = [
     "in_slurm_job",
     "requeue_slurm_job",
     "slurm_restart_count",
+    "slurm_tasks",
     "default_nproc_per_node",
     "inside_launcher",
     "launcher_rank",
@@ -44,7 +45,19 @@ def inside_launcher() -> bool:
 
 
 def launcher_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    """This process's rank under an outer launcher; a SLURM task that starts ranks itself (replica groups, one task
+    per node) counts by its task index."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def slurm_tasks() -> tuple[int, int]:
+    """(tasks, tasks per node) of the SLURM step this process is a task of; (1, 1) outside one (``salloc``'s shell,
+    a one-task batch script)."""
+    if "SLURM_PROCID" not in os.environ:
+        return 1, 1
+    tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
+    return tasks, max(1, tasks // max(1, nodes))
 
 
 def restarted_attempt() -> bool:

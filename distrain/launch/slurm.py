@@ -55,6 +55,23 @@ def check_slurm_request(launcher: DictConfig, partitions: dict[str, dict[str, An
         )
 
 
+def check_replica_groups_request(launcher: DictConfig, config: DictConfig) -> None:
+    """Under ``ft=torchft`` each node's one task starts that node's ranks and runs whole replica groups on them."""
+    ft = config.get("ft")
+    if ft is None or not ft.get("_target_"):
+        return
+    if launcher.tasks_per_node != 1:
+        raise ConfigError(
+            "hydra.launcher.tasks_per_node", launcher.tasks_per_node, "1 with ft=torchft (the task on each node "
+            "starts the node's distributed.nproc_per_node ranks and runs whole replica groups on them)"
+        )  # fmt: skip
+    if isinstance(ft.get("replica_groups"), int) and ft.replica_groups % launcher.nodes:
+        raise ConfigError(
+            "ft.replica_groups", ft.replica_groups, f"a multiple of hydra.launcher.nodes={launcher.nodes}: a replica "
+            "group runs on the ranks of one node, and every node runs as many groups"
+        )  # fmt: skip
+
+
 class SlurmRequestCheck(Callback):
     """Before a multirun with the submitit SLURM launcher submits anything, check the request against ``sinfo``."""
 
@@ -69,6 +86,7 @@ class SlurmRequestCheck(Callback):
                     "submitit_slurm",
                     "a machine with SLURM (sinfo not found); hydra/launcher=submitit_local runs the jobs here",
                 )
+            check_replica_groups_request(launcher, config)
             check_slurm_request(launcher, slurm_partitions())
         except ConfigError as err:
             print(f"distrain: invalid SLURM request: {err}", file=sys.stderr)

@@ -21,9 +21,11 @@ def test_groups_of_fsdp_ranks_hold_the_shards_of_their_own_group_size():
     assert grouped.global_batch_size == four.global_batch_size
 
 
-def test_a_plan_of_replica_groups_across_nodes_is_refused_as_a_launch_would_be():
-    cfg = compose_config(
-        [*COMMON[:-1], "target.nodes=2", "target.ranks_per_node=4", "ft=torchft", "ft.replica_groups=2"]
-    )
-    with pytest.raises(ConfigError, match="target.nodes=2 is not allowed: 1 with ft=torchft"):
-        plan(cfg)
+def test_a_plan_across_nodes_runs_whole_groups_on_each_node():
+    across = [*COMMON[:-1], "target.nodes=2", "target.ranks_per_node=4", "ft=torchft"]
+    one_per_node = plan(compose_config([*across, "ft.replica_groups=2"]))
+    four = plan(compose_config([*COMMON, "target.ranks_per_node=4"]))
+    assert [getattr(one_per_node.ranks[0], key) for key in HELD] == [getattr(four.ranks[0], key) for key in HELD]
+    assert one_per_node.data_parallel == 8
+    with pytest.raises(ConfigError, match="ft.replica_groups=1 is not allowed: a multiple of the job's 2 nodes"):
+        plan(compose_config([*across, "ft.replica_groups=1"]))
