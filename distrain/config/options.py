@@ -15,6 +15,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from distrain.config.checks import ConfigError
+from distrain.parallelism.layout import ranks_per_node_in_group
 
 # A model family checks itself through its ModelSpec (``spec.check_config``), a tracker through its ``check``.
 # ft first: it checks that its groups divide the job's ranks before the options acting inside a group are checked.
@@ -39,9 +40,8 @@ class Placement:
         if self.replica_groups <= 1 or self.world_size % self.replica_groups:
             return self
         groups = self.replica_groups
-        return Placement(
-            self.world_size // groups, max(1, self.ranks_per_node // groups), self.device_type, self.planning
-        )
+        local = ranks_per_node_in_group(self.world_size, self.ranks_per_node, groups)
+        return Placement(self.world_size // groups, local, self.device_type, self.planning)
 
 
 def option_of(cfg: DictConfig, group: str) -> Any | None:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from distrain.config.checks import ConfigError, at_least, check, positive
 from distrain.config.options import Placement, option_of
-from distrain.launch.ranks import inside_launcher, slurm_tasks
+from distrain.launch.ranks import inside_launcher, slurm_step
 from distrain.parallelism.capabilities import capabilities_of
 
 INSTALL = "pip install -e '.[ft]' (torchft==0.2.0)"
@@ -74,10 +74,11 @@ def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
             "started by python train.py itself, on one machine or as one SLURM task per node (it starts each node's "
             "process sets, one per replica group), not under torchrun or as one SLURM task per rank",
         )
-    if slurm_tasks()[1] > 1 and not placement.planning:
+    tasks, nodes = slurm_step()
+    if tasks != nodes and not placement.planning:
         raise ConfigError(
-            "hydra.launcher.tasks_per_node", slurm_tasks()[1], "1 with ft=torchft (the task on each node starts "
-            "the node's distributed.nproc_per_node ranks and runs whole replica groups on them)"
+            "hydra.launcher.tasks_per_node", f"{tasks} tasks on {nodes} nodes", "1 with ft=torchft (the task on each "
+            "node starts the node's distributed.nproc_per_node ranks and runs whole replica groups on them)"
         )  # fmt: skip
     _check_groups_per_node(groups, placement)
     if cfg.ft.lighthouse and not placement.planning:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distrain.launch.ranks import slurm_tasks
+from distrain.launch.ranks import slurm_step
 
 
 @dataclass(kw_only=True)
@@ -49,4 +49,4 @@ def launcher_count(cfg: Any) -> int:
     """How many launchers start the job's ranks: under replica groups in a SLURM job, one task per node, each
     starting its node's ``distributed.nproc_per_node`` ranks; otherwise this process alone (or, under torchrun and
     multi-task SLURM jobs without groups, the ranks themselves: ``WORLD_SIZE`` counts them)."""
-    return slurm_tasks()[0] if has_replica_groups(cfg) else 1
+    return slurm_step()[0] if has_replica_groups(cfg) else 1

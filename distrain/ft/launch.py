@@ -10,6 +10,7 @@ step boundary, as a plain job does).
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing
 import os
@@ -56,11 +57,12 @@ def run_replica_groups(
         # faster would otherwise form a quorum alone and train its first steps without the others.
         os.environ[START_STORE_ENV] = job.store_address
         pending: dict[int, tuple[Any, Connection]] = {}
-        for group in groups:
+        for slot, group in enumerate(groups):
             reader, writer = context.Pipe(duplex=False)
+            group_args, devices = _share_of_node(rank_args, slot, per_group, nproc_per_node)
             process = context.Process(
                 target=_supervise_group,
-                args=(group, entrypoint, rank_args, per_group, ft.max_restarts, start_method, writer),
+                args=(group, devices, entrypoint, group_args, per_group, ft.max_restarts, start_method, writer),
                 name=f"replica-group-{group}",
             )
             pending[group] = (process, reader)
@@ -68,7 +70,25 @@ def run_replica_groups(
             for process, _ in pending.values():
                 process.start()
             outcomes = _collect(pending, ft.timeout_s, partial(_final_checkpoint_written, rank_args[0]), job)
-    return _job_result(outcomes)
+        finished_elsewhere = job.run_finished()
+    return _job_result(outcomes, finished_elsewhere)
+
+
+def _share_of_node(
+    rank_args: tuple[Any, ...], slot: int, ranks: int, node_ranks: int
+) -> tuple[tuple[Any, ...], str | None]:
+    """The rank arguments of the ``slot``-th group on this node, and on CUDA its own GPUs (``ranks`` of them, after
+    the earlier groups', as ``CUDA_VISIBLE_DEVICES``). On CPU the group's ranks get their share of the node's cores:
+    each would otherwise split the cores among its own group's ranks only, several groups' worth on one machine."""
+    cfg = copy.deepcopy(rank_args[0])
+    distributed, devices = cfg["distributed"], None
+    if distributed["device"] == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        node_devices = visible.split(",") if visible else [str(d) for d in range(node_ranks)]
+        devices = ",".join(node_devices[slot * ranks : (slot + 1) * ranks])
+    elif not distributed.get("threads_per_rank"):
+        distributed["threads_per_rank"] = max(1, (os.cpu_count() or 1) // node_ranks)
+    return (cfg, *rank_args[1:]), devices
 
 
 def _collect(
@@ -85,7 +105,7 @@ def _collect(
     outcomes: dict[int, tuple[str, Any]] = {}
     pending, deadline = dict(pending), None
     while pending:
-        if deadline is None and job.finished_elsewhere():
+        if deadline is None and job.run_finished():
             deadline = time.monotonic() + grace_s
         waitables = [reader for _, reader in pending.values()] + [process.sentinel for process, _ in pending.values()]
         # Another node's news arrives through the store, which is polled: a launcher alone waits for its groups.
@@ -133,7 +153,9 @@ def _outcome(process: Any, reader: Connection) -> tuple[str, Any] | None:
     return ("failed", f"its supervisor exited with status {process.exitcode}")
 
 
-def _job_result(outcomes: dict[int, tuple[str, Any]]) -> dict[int, Any]:
+def _job_result(outcomes: dict[int, tuple[str, Any]], finished_elsewhere: bool = False) -> dict[int, Any]:
+    """Group 0's summary (or the first group's that finished here); ``{}`` when no group here finished but one on
+    another node did (the job succeeded there)."""
     for group, (kind, value) in sorted(outcomes.items()):
         if kind == "failed":
             log.warning("replica group %d failed for good (ft.max_restarts reached): %s", group, value)
@@ -143,13 +165,17 @@ def _job_result(outcomes: dict[int, tuple[str, Any]]) -> dict[int, Any]:
     if stopped:
         raise SignalException(f"stopped by {stopped[0]}", getattr(signal, stopped[0]))
     finished = {group: value for group, (kind, value) in sorted(outcomes.items()) if kind == "ok"}
-    if not finished:
-        raise RunError(next(value for kind, value in outcomes.values() if kind == "failed"))
-    return {0: finished.get(0, next(iter(finished.values())))}
+    if finished:
+        return {0: finished.get(0, next(iter(finished.values())))}
+    if finished_elsewhere:
+        return {}
+    failures = [value for kind, value in outcomes.values() if kind == "failed"]
+    raise RunError(failures[0] if failures else "no replica group finished the run")
 
 
 def _supervise_group(
     group: int,
+    devices: str | None,
     entrypoint: Callable[..., Any],
     rank_args: tuple[Any, ...],
     ranks: int,
@@ -164,6 +190,8 @@ def _supervise_group(
 
     os.setpgrp()
     os.environ[REPLICA_GROUP_ENV] = str(group)
+    if devices is not None:  # before any rank starts: each takes cuda:LOCAL_RANK among these
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
     try:
         results = run_ranks(
             entrypoint, rank_args, nproc_per_node=ranks, max_restarts=max_restarts, start_method=start_method

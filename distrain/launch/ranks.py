@@ -29,7 +29,7 @@ __all__ = [
     "in_slurm_job",
     "requeue_slurm_job",
     "slurm_restart_count",
-    "slurm_tasks",
+    "slurm_step",
     "default_nproc_per_node",
     "inside_launcher",
     "launcher_rank",
@@ -50,14 +50,12 @@ def launcher_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-def slurm_tasks() -> tuple[int, int]:
-    """(tasks, tasks per node) of the SLURM step this process is a task of; (1, 1) outside one (``salloc``'s shell,
-    a one-task batch script)."""
-    if "SLURM_PROCID" not in os.environ:
+def slurm_step() -> tuple[int, int]:
+    """(tasks, nodes) of the ``srun`` step this process is a task of; (1, 1) outside one (``salloc``'s shell, a
+    batch script itself: SLURM sets the step's counts only for the tasks of a step)."""
+    if "SLURM_STEP_NUM_TASKS" not in os.environ:
         return 1, 1
-    tasks = int(os.environ.get("SLURM_NTASKS", "1"))
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
-    return tasks, max(1, tasks // max(1, nodes))
+    return int(os.environ["SLURM_STEP_NUM_TASKS"]), int(os.environ.get("SLURM_STEP_NUM_NODES", "1"))
 
 
 def restarted_attempt() -> bool:

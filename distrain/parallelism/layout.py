@@ -92,6 +92,12 @@ class Layout:
         return self.tp * self.pp * self.cp * self.ep > 1
 
 
+def ranks_per_node_in_group(world_size: int, ranks_per_node: int, replica_groups: int) -> int:
+    """A replica group's ranks on one node: all of them, since a group never spans nodes (several groups may share
+    a node)."""
+    return max(1, min(ranks_per_node, world_size // replica_groups))
+
+
 def layout_of(
     parallelism: DictConfig,
     world_size: int,
@@ -111,7 +117,7 @@ def layout_of(
         inside = layout_of(
             parallelism,
             world_size // replica_groups,
-            max(1, ranks_per_node // replica_groups) if ranks_per_node else None,
+            ranks_per_node_in_group(world_size, ranks_per_node, replica_groups) if ranks_per_node else None,
             with_experts=with_experts,
         )
         return replace(inside, replicate=inside.replicate * replica_groups)

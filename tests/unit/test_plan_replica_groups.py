@@ -29,3 +29,11 @@ def test_a_plan_across_nodes_runs_whole_groups_on_each_node():
     assert one_per_node.data_parallel == 8
     with pytest.raises(ConfigError, match="ft.replica_groups=1 is not allowed: a multiple of the job's 2 nodes"):
         plan(compose_config([*across, "ft.replica_groups=1"]))
+
+
+def test_an_hsdp_group_on_a_node_of_its_own_shards_over_the_whole_node():
+    """A group never spans nodes: one group per 8-rank node is hsdp over 8 ranks of one node (dp_replicate 1)."""
+    hsdp = [*COMMON[:-1], "parallelism=hsdp", "target.ranks_per_node=8"]
+    grouped = plan(compose_config([*hsdp, "target.nodes=2", "ft=torchft", "ft.replica_groups=2"]))
+    one_node = plan(compose_config([*hsdp, "target.nodes=1"]))
+    assert [getattr(grouped.ranks[0], key) for key in HELD] == [getattr(one_node.ranks[0], key) for key in HELD]
