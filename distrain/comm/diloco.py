@@ -103,7 +103,7 @@ class DiLoCoComm(DDPComm):
             raise ConfigError(
                 "ft.replica_groups", cfg.ft.replica_groups, "2 with comm=diloco and groups of several ranks (a "
                 "healing group's ranks may copy different live groups, whose inner states differ), or one rank per "
-                "group (distributed.nproc_per_node = ft.replica_groups)"
+                "group (as many groups as ranks)"
             )  # fmt: skip
         if comm.compression == "topk" and has_replica_groups(cfg):
             raise ConfigError(

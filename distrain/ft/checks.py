@@ -34,7 +34,7 @@ def check_replica_groups(cfg: DictConfig, placement: Placement) -> list[str]:
         raise ConfigError(
             "ft.replica_groups",
             groups,
-            f"a divisor of the job's {placement.world_size} ranks (nodes x distributed.nproc_per_node): the ranks "
+            f"a divisor of the job's {placement.world_size} ranks (nodes x ranks per node): the ranks "
             "split evenly into the groups",
         )
     check(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
+from hydra.errors import CompactHydraException, HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -51,6 +51,7 @@ register_configs()
 # on purpose; Hydra warns about that matching by name on every such run.
 warnings.filterwarnings("ignore", message=".*is validated against ConfigStore schema with the same name")
 HYDRA_RAISES = "HYDRA_FULL_ERROR"
+SUBMITIT_JOB = "SUBMITIT_EXECUTOR"  # set in the jobs submitit starts (to "slurm", or "local")
 
 
 def prepare_command_line(argv: list[str]) -> None:
@@ -154,8 +155,7 @@ def run(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     added = added_key_error(cfg, list(hydra_cfg.overrides.task))
     if added:
-        print(f"distrain: invalid config: {added}", file=sys.stderr)
-        sys.exit(2)
+        end(f"invalid config: {added}", 2)
     if cfg.dry_run:
         return plan_only(cfg, hydra_cfg.runtime.output_dir)
     if not has_replica_groups(cfg):  # a multi-task SLURM job: this task is one rank (with groups: one node's ranks)
@@ -165,8 +165,7 @@ def run(cfg: DictConfig) -> float | None:
     except ConfigError as err:
         refuse(err)
     if not inside_launcher() and (shadowed := shadowing_package()):  # this launcher forks its ranks
-        print(f"distrain: {shadowed}", file=sys.stderr)
-        sys.exit(2)
+        end(shadowed, 2)
     run_dir = hydra_cfg.runtime.output_dir
     if launcher_rank() == 0:  # other ranks' run directory is "." (prepare_command_line): not theirs to inspect
         try:
@@ -195,8 +194,7 @@ def run(cfg: DictConfig) -> float | None:
         except ConfigError as err:
             refuse(err)
         except RunError as err:
-            print(f"distrain: {err}", file=sys.stderr)
-            sys.exit(2)
+            end(str(err), 2)
         if finished:  # e.g. a requeued job that had in fact finished: say so, change nothing
             print(
                 f"distrain: the run is complete at step {checkpoint_step(finished)} (trainer.max_steps="
@@ -230,8 +228,7 @@ def plan_only(cfg: DictConfig, output_dir: str) -> None:
     print(report.describe())
     dry_run.write_report(report, output_dir)
     if not report.fits:  # a non-zero exit keeps `train.py dry_run=true ... && sbatch ...` from submitting
-        print(f"distrain: dry run: {report.shortfall()}", file=sys.stderr)
-        sys.exit(1)
+        end(f"dry run: {report.shortfall()}", 1)
 
 
 def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], resume: str) -> float | None:
@@ -272,16 +269,28 @@ def launch(cfg: DictConfig, plan: LaunchPlan, rank_args: tuple[Any, ...], resume
     return summary["final_val_loss"] if summary else None
 
 
+class SubmittedJobError(CompactHydraException):
+    """How a job submitted through submitit ends on a refusal or failure: raised, not an exit. submitit then hands
+    it to the submitting process, where Hydra prints it as one line (a compact exception) and exits 1. An exit
+    writes no result: the submitter would wait for one, forever where SLURM keeps no accounting for it to ask."""
+
+
+def end(line: str, status: int) -> NoReturn:
+    """``distrain: <line>`` on stderr and exit ``status``; in a submitit job, raise ``SubmittedJobError(line)``."""
+    if SUBMITIT_JOB in os.environ:
+        raise SubmittedJobError(f"distrain: {line}")
+    print(f"distrain: {line}", file=sys.stderr)
+    sys.exit(status)
+
+
 def refuse(err: ConfigError) -> NoReturn:
     """A config mistake: one line naming the key, the value and what is allowed; exit 2 before any rank starts."""
-    print(f"distrain: invalid config: {err}", file=sys.stderr)
-    sys.exit(2)
+    end(f"invalid config: {err}", 2)
 
 
 def fail(message: str) -> NoReturn:
     """The job failed: ``distrain: <message>`` on stderr, exit 1."""
-    print(f"distrain: {message}", file=sys.stderr)
-    sys.exit(1)
+    end(message, 1)
 
 
 def failure_line(err: ChildFailedError, run_dir: str) -> str | None:
@@ -306,16 +315,20 @@ def run_group(hydra_cfg: DictConfig) -> str | None:
 def stopped(signal_name: str, resume: str, max_requeues: int) -> NoReturn:
     """After a graceful stop: in a SLURM job, rank 0 requeues it (up to ``max_requeues`` times); exit 143. The
     first process of the job (the only one under train.py's own launcher) says how to continue (``resume``)."""
+    requeued = False
     if in_slurm_job() and launcher_rank() == 0:
         if slurm_restart_count() < max_requeues:
             print(f"distrain: requeueing SLURM job {os.environ['SLURM_JOB_ID']}", file=sys.stderr)
             requeue_slurm_job()
+            requeued = True
         else:
             print(f"distrain: not requeued: distributed.max_requeues={max_requeues} reached", file=sys.stderr)
-    if launcher_rank() == 0:  # under torchrun or SLURM tasks, every process gets here; the others' paths differ
-        print(
-            f"distrain: stopped by {signal_name} after checkpointing; continue with checkpoint.resume=auto {resume} "
-            f"(exit status {REQUEUE_EXIT_CODE}: requeue)",
-            file=sys.stderr,
-        )
-    sys.exit(REQUEUE_EXIT_CODE)
+    line = (
+        f"stopped by {signal_name} after checkpointing; continue with checkpoint.resume=auto {resume} "
+        f"(exit status {REQUEUE_EXIT_CODE}: requeue)"
+    )
+    if not requeued and SUBMITIT_JOB in os.environ:  # every task: the submitter waits for each one's result
+        raise SubmittedJobError(f"distrain: {line}")
+    if launcher_rank() == 0:  # under torchrun or SLURM tasks every process gets here: one says it
+        print(f"distrain: {line}", file=sys.stderr)
+    sys.exit(REQUEUE_EXIT_CODE)  # a requeued job starts again, and its submitter waits for that attempt's result

@@ -165,6 +165,17 @@ def test_hierarchical_all_reduce_takes_its_nodes_from_slurm(tmp_path):
         assert two_level_losses[step] == pytest.approx(loss, rel=1e-6), step
 
 
+def test_a_config_refused_inside_the_job_comes_back_to_the_submitter_in_one_line(tmp_path):
+    """A check only a job can make (here: the job's ranks, counted on its nodes) refuses inside it. The refusal
+    reaches the submitting command as one line; an exit would leave submitit without a result, waiting forever on
+    a cluster that keeps no accounting (this one)."""
+    args = [*SLURM, "hydra.launcher.nodes=2", "ft=torchft", "ft.replica_groups=4", "distributed.nproc_per_node=1"]
+    result = run_train([*args, "hydra.sweep.dir=sweep"], tmp_path, timeout=180)
+    assert result.returncode == 1
+    line = "distrain: invalid config: ft.replica_groups=4 is not allowed: a divisor of the job's 2 ranks"
+    assert line in result.stderr and "Traceback" not in result.stderr
+
+
 def group_ranks_in_job(job_id, group):
     """The rank processes of one replica group of a SLURM job: children of that group's fork server (on whichever
     node; the local cluster's nodes share this machine's process table)."""
