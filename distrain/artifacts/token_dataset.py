@@ -11,9 +11,11 @@ index can understate them, and scanning every shard here would cost minutes on a
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from distrain.artifacts.tokenizer import inspect_tokenizer
 from distrain.data.token_format import (
@@ -68,16 +70,18 @@ def inspect_token_dataset(path: str | Path, *, checksums: bool = True) -> TokenD
 
 
 class PendingChecksums:
-    """Every shard's checksum of ``dataset`` (inspected without them; None: nothing to check), checked on a thread
+    """Every shard's checksum of ``datasets`` (inspected without them; empty: nothing to check), checked on a thread
     of this process with one core left to the caller. A first start-up on a dataset copied from elsewhere reads all
-    of its shards: the launch validates the rest of the config meanwhile and waits before any rank starts."""
+    of its shards: the launch validates the rest of the config meanwhile and waits before any rank starts. ``key``
+    and ``value`` name the setting a changed shard is reported under (``data.path``, or a mixture's sources)."""
 
-    def __init__(self, dataset: TokenDataset | None) -> None:
+    def __init__(self, datasets: Sequence[TokenDataset] = (), key: str = "data.path", value: Any = None) -> None:
+        self.key, self.value = key, value
         self.stop = threading.Event()
         self.future: Future[None] | None = None
-        if dataset is not None:
+        if datasets:
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distrain-checksums")
-            self.future = pool.submit(_verify_all, dataset, self.stop)
+            self.future = pool.submit(_verify_all, list(datasets), self.stop)
             pool.shutdown(wait=False)  # its one thread ends with the checksums (or at cancel)
 
     def wait(self) -> None:
@@ -90,9 +94,10 @@ class PendingChecksums:
         self.stop.set()
 
 
-def _verify_all(dataset: TokenDataset, stop: threading.Event) -> None:
+def _verify_all(datasets: list[TokenDataset], stop: threading.Event) -> None:
     try:
-        for index in dataset.splits.values():
-            verify_checksums(dataset.directory, index, spare_cores=1, stop=stop)
+        for dataset in datasets:
+            for index in dataset.splits.values():
+                verify_checksums(dataset.directory, index, spare_cores=1, stop=stop)
     except ChecksumsCancelled:
         pass

@@ -43,6 +43,7 @@ from distrain.artifacts.checkpoint import inspect_checkpoint
 from distrain.artifacts.outputs import check_writable
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader, load_dcp_metadata
 from distrain.checkpoint.steps import checkpoint_problem
+from distrain.data.tokens import dataset_path
 from distrain.errors import ArtifactError
 from distrain.models.meta import meta_device
 from distrain.models.spec import spec_of
@@ -205,15 +206,16 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
         for tokenizer_file in tokenizer:
             shutil.copy2(tokenizer_file, partial / tokenizer_file.name)
         if data_tokenizer:
-            write_data_tokenizer(data_tokenizer, run_cfg.data.path, partial)
+            write_data_tokenizer(data_tokenizer, dataset_path(run_cfg.data), partial)
         shutil.rmtree(out, ignore_errors=True)  # empty, or an earlier export (output_problem)
         partial.replace(out)
     return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
 
 def data_tokenizer_file(run_cfg: DictConfig) -> Path | None:
-    """The tokenizer the run's token ids came from: the one beside its dataset (``data=tokens``), if any."""
-    path = run_cfg.data.get("path")
+    """The tokenizer the run's token ids came from: the one beside its dataset (``data=tokens``, or a mixture's
+    sources), if any."""
+    path = dataset_path(run_cfg.data)
     if not path:
         return None
     from distrain.data.tokens import tokenizer_path

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from distrain.config.checks import ConfigError, at_least, check
 from distrain.data.corpus import CorpusTooSmall
-from distrain.data.sampler import GlobalBatchSampler, longest_window, token_windows
+from distrain.data.sampler import GlobalBatchSampler, longest_window, sampler_for, token_windows
 from distrain.ft.config import replica_group_count
 from distrain.parallelism.layout import layout_of
 
@@ -63,16 +63,16 @@ def validate_data_fits(cfg: DictConfig, world_size: int, ranks_per_node: int | N
         if isinstance(cause, CorpusTooSmall):
             raise ConfigError(f"data.corpus.{cause.key}", cause.value, cause.allowed) from None
         raise
-    train_windows = len(token_windows(corpus.train, cfg.data.seq_len))
-    if train_windows < 1:
+    train_windows = token_windows(corpus.train, cfg.data.seq_len)
+    if len(train_windows) < 1:
         raise ConfigError(
             "data.seq_len",
             cfg.data.seq_len,
             f"at most {longest_window(corpus.train)}, the train split's longest run of tokens",
         )
     try:
-        sampler = GlobalBatchSampler(
-            num_samples=train_windows,
+        sampler = sampler_for(
+            train_windows,
             micro_batch_size=cfg.data.micro_batch_size,
             grad_accum_steps=cfg.trainer.grad_accum_steps,
             dp_rank=0,

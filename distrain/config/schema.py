@@ -7,6 +7,7 @@ composition time, before any rank starts. Defaults live here and nowhere else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from distrain.comm.config import (
     TopKCommConfig,
 )
 from distrain.config.choices import choices
-from distrain.data.config import StdlibDataConfig, SyntheticDataConfig, TokensDataConfig
+from distrain.data.config import MixDataConfig, StdlibDataConfig, SyntheticDataConfig, TokensDataConfig
 from distrain.ft.config import NoReplicaGroupsConfig, TorchFTConfig
 from distrain.models.gpt.config import GPTConfig
 from distrain.models.hf.config import HFConfig
@@ -288,7 +289,12 @@ class Config:
 # ``defaults: [/schema/<group>/<name>@_here_, _self_]``.
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"gpt": GPTConfig, "mlp": MLPConfig, "llama": LlamaConfig, "hf": HFConfig, "moe": MoEConfig},
-    "data": {"stdlib": StdlibDataConfig, "synthetic": SyntheticDataConfig, "tokens": TokensDataConfig},
+    "data": {
+        "stdlib": StdlibDataConfig,
+        "synthetic": SyntheticDataConfig,
+        "tokens": TokensDataConfig,
+        "mix": MixDataConfig,
+    },
     "parallelism": {
         "single": SingleConfig,
         "ddp": DDPConfig,
@@ -323,11 +329,14 @@ def _stage_or(default: int, *, _root_: DictConfig) -> int:
     return _root_.stage if _root_.stage is not None else default
 
 
-def _data_vocab(path: str | None) -> int:
-    """``${data_vocab:PATH}``: the vocabulary of the dataset at PATH (0 when it is unreadable: data validation,
-    which runs first, reports why in one line)."""
+def _data_vocab(path: Any) -> int:
+    """``${data_vocab:PATH}``: the vocabulary of the dataset at PATH, or of a mixture's sources (``data.sources``:
+    the largest); 0 when one is unreadable: data validation, which runs first, reports why in one line."""
     from distrain.data.tokens import data_vocab_size
 
+    if isinstance(path, Mapping):  # a mixture's sources, which must share their tokenizer (data=mix checks it)
+        sizes = [data_vocab_size(source.get("path")) for source in path.values()]
+        return max(sizes) if sizes and all(sizes) else 0
     return data_vocab_size(path) or 0
 
 

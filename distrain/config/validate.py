@@ -22,6 +22,7 @@ from distrain.checkpoint.steps import checkpoint_problem, checkpoint_world_size
 from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.config.global_batch import derive_accumulation, validate_data_fits
 from distrain.config.options import Placement, own_checks
+from distrain.data.mixture_checks import check_mixture
 from distrain.data.token_format import DataError
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
 from distrain.errors import ArtifactError
@@ -89,7 +90,7 @@ def validate(cfg: DictConfig, target: Target | None = None) -> LaunchPlan:
         plan = _validate_config(cfg, target)
         checksums.wait()
     except DataError as err:
-        raise ConfigError("data.path", cfg.data.get("path"), f"a readable dataset: {err}") from None
+        raise ConfigError(checksums.key, checksums.value, f"a readable dataset: {err}") from None
     finally:
         checksums.cancel()  # after a refusal nobody waits for them: the process exits at once
     return plan
@@ -307,7 +308,8 @@ def make_paths_absolute(cfg: DictConfig) -> None:
     """Make the relative paths of ``PATH_KEYS`` and of each tracker's ``absolute_paths`` absolute (from this
     process's directory), in place: the run's saved config (each checkpoint's config.yaml) then names the same files
     wherever ``export`` or ``generate`` runs, and a requeued job finds the same tracker stores."""
-    for key in PATH_KEYS:
+    sources = cfg.data.get("sources") if "sources" in cfg.data.keys() else None
+    for key in (*PATH_KEYS, *(f"data.sources.{name}.path" for name in sources or ())):
         value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         if isinstance(value, str) and value and not Path(value).is_absolute():
             OmegaConf.update(cfg, key, str(Path(value).expanduser().resolve()), merge=False)
@@ -322,7 +324,7 @@ def _validate_dataset(cfg: DictConfig) -> PendingChecksums:
     ``data.path`` and the file otherwise. With ``data.verify_checksums`` the shards' checksums are checked on a
     thread while the rest of the config is validated (the returned ``PendingChecksums``)."""
     if "path" not in cfg.data.keys():  # keys(), not `in`: a missing (???) value is not `in` a DictConfig
-        return PendingChecksums(None)
+        return check_mixture(cfg) if "sources" in cfg.data.keys() else PendingChecksums()
     path = None if OmegaConf.is_missing(cfg.data, "path") else cfg.data.path
     if not path:
         raise ConfigError("data.path", path, "a dataset directory (python -m distrain.data.prepare's output)")
@@ -330,4 +332,4 @@ def _validate_dataset(cfg: DictConfig) -> PendingChecksums:
         dataset = inspect_token_dataset(path, checksums=False)
     except DataError as err:
         raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
-    return PendingChecksums(dataset if cfg.data.get("verify_checksums", True) else None)
+    return PendingChecksums([dataset] if cfg.data.get("verify_checksums", True) else [], value=path)

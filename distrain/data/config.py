@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -66,3 +67,34 @@ class TokensDataConfig:
     verify_checksums: bool = True  # every shard's CRC-32 (or SHA-256) against its index before any rank starts
     prefetch: bool = True  # the next step's batches read by a background thread during this step
     corpus: TokensCorpusConfig = field(default_factory=TokensCorpusConfig)
+
+
+@dataclass(kw_only=True)
+class MixSourceConfig:
+    """One source of a mixture: a prepared dataset and its share of the training sequences (normalised over all)."""
+
+    path: str = MISSING
+    weight: float = 1.0
+
+
+@dataclass(kw_only=True)
+class MixCorpusConfig:
+    """The sources' splits side by side (``distrain/data/mixture.py``)."""
+
+    _target_: str = "distrain.data.mixture.mixture_corpus"
+    sources: Any = "${data.sources}"
+    vocab_limit: int | None = "${oc.select:model.vocab_size,null}"
+
+
+@dataclass(kw_only=True)
+class MixDataConfig:
+    """Several prepared datasets (same tokenizer), each step drawing from them in proportion to their weights;
+    ``val/<name>/loss`` per source, ``val_loss`` their weighted mean."""
+
+    micro_batch_size: int = 8
+    global_batch_size: int | None = None
+    seq_len: int = 128
+    sources: Any = None  # name -> {path, weight} (MixSourceConfig); Any: the command line may set the whole mapping
+    verify_checksums: bool = True
+    prefetch: bool = True
+    corpus: MixCorpusConfig = field(default_factory=MixCorpusConfig)

@@ -125,6 +125,12 @@ class GlobalBatchSampler:
         self.samples_in_epoch += self.global_batch_size
         return list(layout[:, self.dp_rank])
 
+    def fractions(self, position: dict[str, Any]) -> dict[str, float]:
+        """Each source's share of the sequences drawn up to ``position`` (a mixture's ``data/<name>/fraction``):
+        none for one dataset."""
+        del position
+        return {}
+
     def batch_settings(self) -> dict[str, int]:
         """The global batch and the factors it is made of (for the start-up line and ``summary.json``)."""
         return {
@@ -150,6 +156,13 @@ class GlobalBatchSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed, self.epoch, self.samples_in_epoch = state["seed"], state["epoch"], state["samples_in_epoch"]
         self._permutation = self._permute(self.epoch)
+
+
+def sampler_for(windows: Windows, **settings: Any) -> Any:
+    """The sampler of a split's training windows (``GlobalBatchSampler``'s keyword ``settings``, but
+    ``num_samples``): a mixture's own, which draws from each source by weight, else a ``GlobalBatchSampler``."""
+    own = getattr(windows, "sampler", None)
+    return own(**settings) if own is not None else GlobalBatchSampler(num_samples=len(windows), **settings)
 
 
 class TrainBatches:
@@ -202,6 +215,10 @@ class TrainBatches:
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self._returned_state) if self._returned_state is not None else self.sampler.state_dict()
+
+    def fractions(self) -> dict[str, float]:
+        """A mixture's realised shares over the steps returned so far (not the one prefetched)."""
+        return self.sampler.fractions(self.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._pending is not None and isinstance(self._pending[0], Future):

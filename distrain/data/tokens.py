@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -154,6 +155,15 @@ def data_vocab_size(path: str | None) -> int | None:
         return _vocab_size(str(directory.resolve()), directory.stat().st_mtime)
     except (DataError, OSError, TypeError):
         return None
+
+
+def dataset_path(data: Any) -> str | None:
+    """The dataset a run's ids come from (its ``data`` config): ``data.path``, or a mixture's first source (the
+    sources share one tokenizer: ``data=mix`` checks it). None for the built-in corpora."""
+    if data.get("path"):
+        return str(data.path)
+    sources = data.get("sources")
+    return str(next(iter(sources.values()))["path"]) if sources else None
 
 
 def tokenizer_path(path: str | Path) -> Path | None:

@@ -272,7 +272,7 @@ class PipelineStrategy(LocalBackwardStrategy):
                 loss = self._loss(inputs, targets).detach().float()
         else:
             loss = self._run_schedule(self.schedule.eval, inputs, targets)
-        # evaluate() sums over ranks; every rank of a pipeline holds the same loss here, so count it once.
+        # evaluate_sets() sums over ranks; every rank of a pipeline holds the same loss here, so count it once.
         if not self.reports_eval_loss():
             return torch.zeros((), device=self.device), 0
         return loss, batch.num_tokens

@@ -30,6 +30,7 @@ from distrain.artifacts.hf_directory import read_config
 from distrain.artifacts.tokenizer import inspect_tokenizer
 from distrain.checkpoint.export import consolidated_model_state
 from distrain.config.schema import register_configs
+from distrain.data.tokens import dataset_path
 
 
 class ByteTokenizer:
@@ -70,10 +71,10 @@ def find_tokenizer(cfg: DictConfig, override: str | None) -> ByteTokenizer | Fil
     candidates: list[Path] = []
     if override:
         candidates.append(Path(override))
-    elif cfg.data.get("path"):
+    elif dataset_path(cfg.data):
         from distrain.data.tokens import tokenizer_path
 
-        beside_data = tokenizer_path(cfg.data.path)
+        beside_data = tokenizer_path(dataset_path(cfg.data))
         candidates += [beside_data] if beside_data else []
     source = cfg.model.get("name_or_path") or cfg.model.get("init_from")
     if source and not override:
@@ -85,7 +86,7 @@ def find_tokenizer(cfg: DictConfig, override: str | None) -> ByteTokenizer | Fil
         file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
         if file.is_file():
             return read_tokenizer(file, vocab)
-    if not cfg.data.get("path") and cfg.model.get("vocab_size") == 256:
+    if not dataset_path(cfg.data) and cfg.model.get("vocab_size") == 256:
         return ByteTokenizer()
     raise ValueError("the run's data has no tokenizer beside it; give one with --tokenizer PATH (or bytes)")
 
@@ -202,11 +203,11 @@ def _generate(model: torch.nn.Module, cfg: DictConfig, tokenizer: Any, args: arg
 
 def _start_id(cfg: DictConfig, tokenizer: Any) -> int:
     """Without a prompt, generation starts after an end of document (a prepared dataset's EOS), else a newline."""
-    if cfg.data.get("path"):
+    if dataset_path(cfg.data):
         from distrain.data.token_format import read_index
         from distrain.data.tokens import dataset_directory
 
-        eos = read_index(dataset_directory(cfg.data.path), "train").eos_id
+        eos = read_index(dataset_directory(dataset_path(cfg.data)), "train").eos_id
         if eos is not None:
             return eos
     if isinstance(tokenizer, CharVocab):  # a newline where the vocabulary has one, else its first character

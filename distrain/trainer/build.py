@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.config.schema import TrainerConfig
-from distrain.data.sampler import Batch, GlobalBatchSampler, TrainBatches, token_windows, validation_batches
+from distrain.data.sampler import TrainBatches, sampler_for, token_windows
+from distrain.data.validation import ValidationSets, validation_sets
 from distrain.ft.config import has_replica_groups
 from distrain.ft.replicas import ReplicaGroups
 from distrain.launch.process_group import DistEnv
@@ -40,7 +41,7 @@ class RankRun:
 
     strategy: Strategy
     data: TrainBatches
-    val_batches: list[Batch]
+    validation: ValidationSets
     reporter: RunReporter
     checkpointer: Checkpointer
     settings: TrainerConfig
@@ -95,7 +96,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
             replica_groups=replica_groups,
         ),
     )
-    data, val_batches = build_data(
+    data, validation = build_data(
         cfg, settings, strategy.data_parallel, replica_groups, pin_memory=env.device.type == "cuda"
     )
     reporter = _reporter(cfg, env, run_dir, settings, replica_groups)
@@ -110,7 +111,7 @@ def build(cfg: DictConfig, env: DistEnv, run_dir: str) -> RankRun:
     return RankRun(
         strategy=strategy,
         data=data,
-        val_batches=val_batches,
+        validation=validation,
         reporter=reporter,
         checkpointer=checkpointer,
         settings=settings,
@@ -157,7 +158,7 @@ def build_data(
     replica_groups: ReplicaGroups | None = None,
     *,
     pin_memory: bool,
-) -> tuple[TrainBatches, list[Batch]]:
+) -> tuple[TrainBatches, ValidationSets]:
     """This rank's training batches (its share of each global batch) and validation batches, for its position
     ``(dp_rank, dp_size)`` on the data-parallel axis.
 
@@ -169,8 +170,8 @@ def build_data(
     groups = replica_groups.count if replica_groups else 1
     dp_rank, dp_size = replica_groups.data_parallel(data_parallel) if replica_groups else data_parallel
     train_windows = token_windows(corpus.train, cfg.data.seq_len)
-    sampler = GlobalBatchSampler(
-        num_samples=len(train_windows),
+    sampler = sampler_for(
+        train_windows,
         limit_batches=settings.overfit_batches,
         micro_batch_size=cfg.data.micro_batch_size,
         grad_accum_steps=settings.grad_accum_steps,
@@ -178,8 +179,9 @@ def build_data(
         dp_size=dp_size,
         seed=settings.seed,
     )
-    val_batches = validation_batches(
-        token_windows(corpus.val, cfg.data.seq_len),
+    validation = validation_sets(
+        corpus.val,
+        cfg.data.seq_len,
         micro_batch_size=cfg.data.micro_batch_size,
         num_batches=settings.eval_batches,
         dp_rank=val_rank,
@@ -187,4 +189,4 @@ def build_data(
         replica_groups=groups,
     )
     train = TrainBatches(train_windows, sampler, prefetch=cfg.data.get("prefetch", False), pin_memory=pin_memory)
-    return train, val_batches
+    return train, validation

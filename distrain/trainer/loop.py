@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from distrain.checkpoint.checkpointer import Checkpointer, rng_snapshot, set_rng_state
 from distrain.config.schema import TrainerConfig
-from distrain.data.sampler import Batch, TrainBatches
+from distrain.data.sampler import TrainBatches
+from distrain.data.validation import ValidationSets
 from distrain.errors import ArtifactError, CheckpointSpaceError
 from distrain.launch.process_group import is_collective_timeout, is_peer_failure
 from distrain.monitor.profiler import StepProfiler
@@ -68,16 +69,17 @@ def restore_loop_state(
 
 
 @torch.no_grad()
-def evaluate(strategy: Strategy, batches: list[Batch], device: torch.device) -> float:
-    """Token-mean validation loss over every rank's batches (one all-reduce of two numbers on ``device``: NCCL
-    reduces only device tensors)."""
-    totals = torch.zeros(2, dtype=torch.float64)
-    for batch in batches:
-        loss_sum, tokens = strategy.eval_loss(batch)
-        totals += torch.tensor([loss_sum.item(), tokens], dtype=torch.float64)
+def evaluate_sets(strategy: Strategy, validation: ValidationSets, device: torch.device) -> dict[str, float]:
+    """Each set's token-mean loss over every rank's batches, and ``val_loss`` (``ValidationSets.scores``). One
+    all-reduce of two numbers per set, on ``device``: NCCL reduces only device tensors."""
+    totals = torch.zeros(len(validation.batches), 2, dtype=torch.float64)
+    for row, batches in enumerate(validation.batches.values()):
+        for batch in batches:
+            loss_sum, tokens = strategy.eval_loss(batch)
+            totals[row] += torch.tensor([loss_sum.item(), tokens], dtype=torch.float64)
     totals = totals.to(device)
     dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
+    return validation.scores((totals[:, 0] / totals[:, 1]).tolist())
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ class _Loop:
 
     strategy: Strategy
     data: TrainBatches
-    val_batches: list[Batch]
+    validation: ValidationSets
     state: TrainState
     settings: TrainerConfig
     reporter: RunReporter
@@ -133,13 +135,14 @@ class _Loop:
     dropped_steps: int = 0  # ft=torchft: steps the quorum did not commit (a group failed during them), run again
     logged_losses: list[float] = field(default_factory=list)
     val_loss: float | None = None  # None until the first validation (a run stopped before it has none)
+    val_scores: dict[str, float] = field(default_factory=dict)  # the last validation's, per source of a mixture
 
 
 def train(
     *,
     strategy: Strategy,
     data: TrainBatches,
-    val_batches: list[Batch],
+    validation: ValidationSets,
     state: TrainState,
     settings: TrainerConfig,
     reporter: RunReporter,
@@ -159,7 +162,7 @@ def train(
     """
     started, started_at = time.perf_counter(), time.time()
     loop = _Loop(
-        strategy=strategy, data=data, val_batches=val_batches, state=state, settings=settings, reporter=reporter,
+        strategy=strategy, data=data, validation=validation, state=state, settings=settings, reporter=reporter,
         checkpointer=checkpointer, agreement=agreement, window=window, profiler=profiler, device=device,
         replica_groups=replica_groups,
     )  # fmt: skip
@@ -212,12 +215,15 @@ def _step(loop: _Loop) -> None:
     record: dict[str, Any] = {"step": state.step}
     if state.step % settings.log_every == 0 or final:
         record |= window.close() | {"lr": strategy.current_lr(), "tokens_seen": state.tokens_seen}
+        record |= loop.data.fractions()  # a mixture's realised shares, over the run so far
         if not loop.logged_losses:
             record["model_state_bytes"] = strategy.model_state_bytes().total
         loop.logged_losses.append(record["loss"])
     paused = time.perf_counter()
     if settings.evaluates_after(state.step):
-        loop.val_loss = record["val_loss"] = evaluate(strategy, loop.val_batches, loop.device)
+        loop.val_scores = evaluate_sets(strategy, loop.validation, loop.device)
+        loop.val_loss = loop.val_scores["val_loss"]
+        record |= loop.val_scores
     if len(record) > 1:
         loop.reporter.log(record)
     else:
@@ -304,6 +310,8 @@ def _summary(loop: _Loop, started: float, started_at: float) -> dict[str, Any]:
         "first_logged_loss": loop.logged_losses[0] if loop.logged_losses else None,
         "final_train_loss": loop.logged_losses[-1] if loop.logged_losses else None,
         "final_val_loss": loop.val_loss,
+        **{key: value for key, value in loop.val_scores.items() if key != "val_loss"},  # a mixture's sources
+        **loop.data.fractions(),
         "tokens_seen": loop.state.tokens_seen,
         "wall_time_s": time.perf_counter() - started,
         "loop_started_at": started_at,  # Unix time: start-up ends here (benchmarks/peers.py)

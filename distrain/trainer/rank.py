@@ -155,7 +155,7 @@ def train_run(cfg: DictConfig, env: DistEnv, run: RankRun, state: TrainState, ru
         summary = train(
             strategy=run.strategy,
             data=run.data,
-            val_batches=run.val_batches,
+            validation=run.validation,
             state=state,
             settings=run.settings,
             reporter=run.reporter,

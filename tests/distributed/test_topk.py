@@ -212,7 +212,7 @@ def test_topk_one_percent_on_the_default_task_keeps_dense_quality():
 
 
 def validation_after(cfg_dicts):
-    from distrain.trainer.loop import evaluate
+    from distrain.trainer.loop import evaluate_sets
 
     env = join(None)
     try:
@@ -222,7 +222,7 @@ def validation_after(cfg_dicts):
             run = build(cfg, env, run_dir=tempfile.mkdtemp())
             for _ in range(cfg.trainer.max_steps):
                 run.strategy.train_step(run.data.next_step())
-            losses.append(evaluate(run.strategy, run.val_batches, env.device))
+            losses.append(evaluate_sets(run.strategy, run.validation, env.device)["val_loss"])
         return losses
     finally:
         leave()

@@ -1,0 +1,125 @@
+"""data=mix: the sampler draws each source in proportion to its weight (within one sequence at every step), lays the
+global batch out as one dataset's is (the same sequences on 1, 2 or 4 ranks), resumes exactly, and reads each row
+from its own source; bad mixtures are refused in one line naming the source."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import compose_config, write_token_dataset
+
+from distrain.config.checks import ConfigError
+from distrain.config.validate import validate
+from distrain.data.mixture import MixtureSplit
+
+WEIGHTS = {"web": 0.6, "code": 0.3, "math": 0.1}
+SIZES = {"web": 50, "code": 20, "math": 3}  # windows of 8 tokens; math repeats every 3 draws
+
+
+def split(weights=WEIGHTS, seq_len=8):
+    """Each source's tokens hold its own id (web 1, code 2, math 3): a row says where it was read from."""
+    streams = {name: torch.full((SIZES[name] * seq_len + 1,), number + 1) for number, name in enumerate(weights)}
+    return MixtureSplit(streams, dict(weights)).windows(seq_len)
+
+
+def sampler(windows, dp_rank=0, dp_size=1, micro_batch_size=4, grad_accum_steps=2, seed=7):
+    settings = dict(micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seed=seed)
+    return windows.sampler(dp_rank=dp_rank, dp_size=dp_size, **settings)
+
+
+def source_of(windows, index):
+    return windows.names[int(np.searchsorted(windows.offsets, index, side="right")) - 1]
+
+
+def test_every_step_keeps_each_source_within_one_sequence_of_its_share():
+    windows = split()
+    drawing = sampler(windows)
+    for step in range(1, 40):
+        drawing.next_step()
+        drawn = drawing.state_dict()["drawn"]
+        total = step * drawing.global_batch_size
+        for name, weight in WEIGHTS.items():
+            assert abs(drawn[name] - weight * total) < 1, (step, drawn)
+    fractions = drawing.fractions(drawing.state_dict())
+    assert fractions == pytest.approx({f"data/{name}/fraction": w for name, w in WEIGHTS.items()}, abs=1e-2)
+
+
+def test_the_global_batch_is_the_same_sequences_on_1_2_or_4_ranks():
+    windows = split()
+
+    def global_batches(dp_size):
+        ranks = [sampler(windows, rank, dp_size, micro_batch_size=8 // dp_size) for rank in range(dp_size)]
+        return [sorted(torch.cat([torch.cat(r.next_step()) for r in ranks]).tolist()) for _ in range(6)]
+
+    assert global_batches(1) == global_batches(2) == global_batches(4)
+
+
+def test_resume_continues_with_the_next_sequences():
+    windows = split()
+    whole, first = sampler(windows), sampler(windows)
+    for _ in range(5):
+        whole.next_step()
+        first.next_step()
+    resumed = sampler(windows)
+    resumed.load_state_dict(first.state_dict())
+    for _ in range(7):
+        assert all(torch.equal(a, b) for a, b in zip(whole.next_step(), resumed.next_step(), strict=True))
+
+
+def test_each_source_goes_through_its_windows_once_per_epoch_and_a_weight_of_zero_draws_none():
+    windows = split({"web": 0.6, "code": 0.4, "math": 0.0})
+    drawing = sampler(windows)
+    drawn = torch.cat([torch.cat(drawing.next_step()) for _ in range(5)]).tolist()  # 40 sequences
+    by_source = {name: [i for i in drawn if source_of(windows, i) == name] for name in windows.names}
+    assert not by_source["math"] and len(by_source["code"]) == 16
+    assert len(set(by_source["web"])) == 24  # 24 of its 50 windows: no repeat inside an epoch
+    assert len(set(by_source["code"])) == 16
+
+
+def test_a_batch_reads_each_row_from_its_own_source():
+    windows = split()
+    indices = torch.cat(sampler(windows).next_step())
+    batch = windows.batch(indices)
+    expected = [windows.names.index(source_of(windows, i)) + 1 for i in indices.tolist()]
+    assert batch.inputs[:, 0].tolist() == expected and (batch.inputs == batch.inputs[:, :1]).all()
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mix")
+    ids = np.arange(4000) % 200
+
+    def dataset(name, vocab_size=256, val=ids[:500]):
+        return write_token_dataset(root / name, {"train": [ids], "val": [val]}, vocab_size=vocab_size)
+
+    return {
+        "a": dataset("a"),
+        "b": dataset("b"),
+        "other_vocabulary": dataset("other", vocab_size=512),
+        "short_val": dataset("short", val=ids[:20]),
+    }
+
+
+def mix(**sources):
+    listed = ",".join(f"{name}:{{path:{path},weight:{weight}}}" for name, (path, weight) in sources.items())
+    return compose_config(["data=mix", f"data.sources={{{listed}}}", "data.seq_len=64", "model.n_layers=1"])
+
+
+def test_a_mixture_of_two_datasets_passes(datasets):
+    validate(mix(a=(datasets["a"], 0.7), b=(datasets["b"], 0.3)))
+
+
+@pytest.mark.parametrize(
+    "sources,line",
+    [
+        ({"a": ("a", -1), "b": ("b", 1)}, "data.sources.a.weight=-1 is not allowed: a number >= 0"),
+        ({"a": ("a", 0), "b": ("b", 0)}, "data.sources='every weight 0' is not allowed: at least one source"),
+        ({"a": ("a", 1), "b": ("missing", 1)}, "data.sources.b.path="),
+        ({"a": ("a", 1), "b": ("other_vocabulary", 1)}, "different vocabularies cannot be mixed"),
+        ({"a": ("a", 1), "b": ("short_val", 1)}, "a dataset whose val split holds a window of data.seq_len=64"),
+    ],
+)
+def test_a_bad_mixture_is_refused_in_one_line(datasets, tmp_path, sources, line):
+    paths = {name: (datasets.get(key, tmp_path / key), weight) for name, (key, weight) in sources.items()}
+    with pytest.raises(ConfigError, match=None) as refused:
+        validate(mix(**paths))
+    assert line in str(refused.value) and "\n" not in str(refused.value)
