@@ -53,11 +53,21 @@ class MixtureCorpus:
     vocab_size: int
 
 
+SOURCE_KEYS = ("path", "weight")
+DEFAULT_WEIGHT = 1.0
+
+
+def source_settings(sources: Any) -> dict[str, tuple[Any, Any]]:
+    """``data.sources`` as name -> (path, weight), the weight 1 where none is given (``data=mix`` checks both)."""
+    return {name: (source.get("path"), source.get("weight", DEFAULT_WEIGHT)) for name, source in sources.items()}
+
+
 def mixture_corpus(sources: Any, vocab_limit: int | None = None) -> MixtureCorpus:
     """``data.sources`` (name -> ``{path, weight}``) as a corpus; no token is read here."""
-    corpora = {name: token_corpus(source["path"], vocab_limit) for name, source in sources.items()}
-    total = sum(float(source["weight"]) for source in sources.values())
-    weights = {name: float(source["weight"]) / total for name, source in sources.items()}
+    settings = source_settings(sources)
+    corpora = {name: token_corpus(path, vocab_limit) for name, (path, _) in settings.items()}
+    total = sum(float(weight) for _, weight in settings.values())
+    weights = {name: float(weight) / total for name, (_, weight) in settings.items()}
     return MixtureCorpus(
         name="mix:" + "+".join(corpora),
         train=MixtureSplit({name: corpus.train for name, corpus in corpora.items()}, weights),

@@ -5,13 +5,16 @@ normalised. One line naming ``data.sources.<name>.path`` (or ``.weight``) otherw
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from numbers import Real
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
 from distrain.artifacts.token_dataset import PendingChecksums, TokenDataset, inspect_token_dataset
 from distrain.config.checks import ConfigError
+from distrain.data.mixture import SOURCE_KEYS, source_settings
 from distrain.data.token_format import DataError
 
 SOURCE = "name -> {path: DATASET_DIR, weight: W}"
@@ -20,29 +23,34 @@ SOURCE = "name -> {path: DATASET_DIR, weight: W}"
 def check_mixture(cfg: DictConfig) -> PendingChecksums:
     """Refuse a mixture that cannot train; return its shards' checksums, checked on a thread meanwhile."""
     sources = cfg.data.sources
-    if not sources:
-        raise ConfigError("data.sources", "{}", f"at least one source: {SOURCE}")
+    if not sources or not isinstance(sources, Mapping):
+        raise ConfigError("data.sources", sources if sources is not None else "null", f"at least one source: {SOURCE}")
     for name, source in sources.items():
-        weight = source.weight
+        if not isinstance(source, Mapping) or set(source) - set(SOURCE_KEYS):
+            raise ConfigError(f"data.sources.{name}", source, f"a mapping of {' and '.join(SOURCE_KEYS)} ({SOURCE})")
+    settings = source_settings(sources)
+    for name, (_, weight) in settings.items():
         if isinstance(weight, bool) or not isinstance(weight, Real) or weight < 0:
             raise ConfigError(f"data.sources.{name}.weight", weight, "a number >= 0")
-    if not any(source.weight > 0 for source in sources.values()):
+    if not any(weight > 0 for _, weight in settings.values()):
         raise ConfigError("data.sources", "every weight 0", "at least one source with a weight > 0")
-    datasets = {name: _readable(name, source.path) for name, source in sources.items()}
+    datasets = {name: _readable(name, path) for name, (path, _) in settings.items()}
     first = next(iter(datasets))
     for name, dataset in datasets.items():
         problem = _different_tokenizer(datasets[first], dataset)
         if problem:
             raise ConfigError(
-                f"data.sources.{name}.path", sources[name].path, f"a dataset made with data.sources.{first}'s "
+                f"data.sources.{name}.path", settings[name][0], f"a dataset made with data.sources.{first}'s "
                 f"tokenizer ({problem}): different vocabularies cannot be mixed"
             )  # fmt: skip
-        _check_windows(name, sources[name].path, dataset, cfg.data.seq_len)
+        _check_windows(name, settings[name][0], dataset, cfg.data.seq_len)
     verified = list(datasets.values()) if cfg.data.get("verify_checksums", True) else []
     return PendingChecksums(verified, key="data.sources", value="(their shards)")
 
 
-def _readable(name: str, path: str) -> TokenDataset:
+def _readable(name: str, path: Any) -> TokenDataset:
+    if not path:
+        raise ConfigError(f"data.sources.{name}.path", path, "a prepared dataset directory")
     try:
         return inspect_token_dataset(path, checksums=False)
     except DataError as err:
@@ -67,7 +75,7 @@ def _digest(path: Path) -> str:
 
 def _check_windows(name: str, path: str, dataset: TokenDataset, seq_len: int) -> None:
     """Each split holds at least one window of ``seq_len + 1`` tokens (windows never cross a shard)."""
-    for split, index in dataset.splits.items():
+    for split, index in dataset.splits.items():  # train, val
         longest = max(shard.tokens for shard in index.shards) - 1
         if longest < seq_len:
             raise ConfigError(

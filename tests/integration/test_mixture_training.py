@@ -52,7 +52,8 @@ def sources(tmp_path_factory):
 
 
 def mixture_args(sources, *extra):
-    listed = ",".join(f"{name}:{{path:{path},weight:{w}}}" for (name, path), w in zip(sources.items(), (0.7, 0.3)))
+    weights = dict(zip(sources, (0.7, 0.3), strict=True))
+    listed = ",".join(f"{name}:{{path:{path},weight:{weights[name]}}}" for name, path in sources.items())
     return ["data=mix", f"data.sources={{{listed}}}", "logger=none", "model.n_layers=1", "data.seq_len=64",
             "data.micro_batch_size=4", "data.global_batch_size=8", "trainer.log_every=1", *extra]  # fmt: skip
 

@@ -77,6 +77,8 @@ KEYS = {
     "data.path": (check("data=tokens", "data.path=/no/such/dataset"), "a readable dataset: /no/such/dataset: no such"),
     "data.corpus.path": free("an interpolation of data.path (checked there)"),
     "data.corpus.vocab_limit": free("an interpolation of model.vocab_size (checked there); <= 0 means none"),
+    "data.sources": (check("data=mix", "data.sources={}"), "at least one source: name -> {path: DATASET_DIR"),
+    "data.corpus.sources": free("an interpolation of data.sources (checked there)"),
     "data.verify_checksums": BOOL,
     "data.prefetch": BOOL,
     "parallelism.name": free("set by each option's file; names the strategy in summaries"),
@@ -314,7 +316,11 @@ CHECKED = sorted((key, how, allowed) for key, ((how, _), allowed) in KEYS.items(
 def test_a_wrong_value_is_refused_naming_the_key_and_what_is_allowed(key, how, allowed):
     extra = KEYS[key][0][1]
     # The synthetic corpus has no max_bytes (FAST's stdlib setting).
-    base = [o for o in FAST if not (extra[0] in ("data=synthetic", "data=tokens") and o.startswith("data.corpus."))]
+    base = [
+        o
+        for o in FAST
+        if not (extra[0] in ("data=synthetic", "data=tokens", "data=mix") and o.startswith("data.corpus."))
+    ]
     base = [o for o in base if not ("model=hf" in extra and o.startswith("model."))]  # hf has none of their keys
     overrides = [*base, *extra]
     if how == "compose":

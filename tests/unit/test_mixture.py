@@ -123,3 +123,16 @@ def test_a_bad_mixture_is_refused_in_one_line(datasets, tmp_path, sources, line)
     with pytest.raises(ConfigError, match=None) as refused:
         validate(mix(**paths))
     assert line in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_source_without_a_path_or_with_an_unknown_key_is_refused_and_the_weight_defaults_to_one(datasets):
+    given = f"a:{{path:{datasets['a']}}}"
+    validate(compose_config(["data=mix", f"data.sources={{{given}}}", "data.seq_len=64"]))  # weight 1
+    for sources, line in (
+        ("{a:{weight:1}}", "data.sources.a.path=null is not allowed: a prepared dataset directory"),
+        (f"{{a:{{path:{datasets['a']},wieght:1}}}}", "data.sources.a="),
+        ("{a:3}", "data.sources.a=3 is not allowed: a mapping of path and weight"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            validate(compose_config(["data=mix", f"data.sources={sources}", "data.seq_len=64"]))
+        assert line in str(refused.value), str(refused.value)
