@@ -123,6 +123,24 @@ def group_rule(optimizer: DictConfig, key: str) -> object:
     return sorted(value)
 
 
+def _check_data_position(cfg: DictConfig, saved: DictConfig, where: str) -> None:
+    """The data position a checkpoint holds fits the run's data: a mixture's (sequences drawn per source) or one
+    dataset's (epoch and sequences into it). A source the checkpoint does not know starts at its first sequence."""
+    ours = cfg.data.get("sources") if "sources" in cfg.data.keys() else None
+    theirs = saved.data.get("sources") if "data" in saved and "sources" in saved.data else None
+    if (ours is None) != (theirs is None):
+        value, allowed = ("one dataset", "data=mix") if ours is None else (dict(ours), "one dataset, not data=mix")
+        raise ConfigError("data", value, f"{allowed} {where} (it resumes that data's position; start a new run)")
+    if ours is not None and set(ours) != set(theirs):
+        log.warning(
+            "data.sources: resuming %s; sources it does not hold (%s) start at their first sequence, and its "
+            "sources left out (%s) are dropped",
+            where.removeprefix("as in "),
+            ", ".join(sorted(set(ours) - set(theirs))) or "none",
+            ", ".join(sorted(set(theirs) - set(ours))) or "none",
+        )
+
+
 def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
     """Refuse to resume ``checkpoint`` on ``world_size`` ranks with a different model, optimizer (or parameter
     group rules) or checkpoint format (DeepSpeed's own for zero, DCP's for the others) than the one it was saved with
@@ -163,6 +181,7 @@ def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:
             ", ".join(changed),
             checkpoint,
         )
+    _check_data_position(cfg, saved, where)
     saved_format = capabilities_of(saved.parallelism).checkpoint_format
     if saved_format != capabilities_of(cfg.parallelism).checkpoint_format:
         formats = FORMAT_NAMES.get(saved_format, f"the {saved_format} format")

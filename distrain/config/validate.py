@@ -22,6 +22,7 @@ from distrain.checkpoint.steps import checkpoint_problem, checkpoint_world_size
 from distrain.config.checks import ConfigError, at_least, check, positive  # noqa: F401 (ConfigError: re-exported)
 from distrain.config.global_batch import derive_accumulation, validate_data_fits
 from distrain.config.options import Placement, own_checks
+from distrain.data.mixture import source_settings
 from distrain.data.mixture_checks import check_mixture
 from distrain.data.token_format import DataError
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
@@ -288,6 +289,8 @@ def largest_token_id(corpus: DictConfig) -> int:
     """The largest token id a corpus can hold, known from its config (or a dataset's index) without reading it."""
     if "path" in corpus:
         return dataset_largest_token_id(corpus.path)
+    if "sources" in corpus:  # a mixture: its sources' largest
+        return max(dataset_largest_token_id(path) for path, _ in source_settings(corpus.sources).values())
     return corpus.vocab_size - 1 if "vocab_size" in corpus else 255  # the stdlib corpus is bytes
 
 

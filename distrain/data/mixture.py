@@ -3,8 +3,9 @@
 The mixture's windows are its sources' windows side by side: window ``offset[s] + j`` is window ``j`` of source
 ``s``. The ``MixtureSampler`` decides which source each sequence of the run comes from, one sequence at a time, as
 Megatron's blended datasets do: sequence ``k`` goes to the source furthest behind its share (``weight * (k + 1)``
-minus what it has had). So after any number of sequences each source's count is within one sequence of its share,
-and the order depends on nothing but the weights. Within a source, sequences follow that source's own shuffled
+minus what it has had). So after any number of sequences each source's count stays within about one sequence of its
+share (measured: at most 1.15 over random weights of 2 to 7 sources), and the order depends on nothing but the
+weights. Within a source, sequences follow that source's own shuffled
 epochs (a small source repeats while a large one is still in its first). The global batch is then laid out
 ``[micro_step][dp_rank][sample]`` as ``GlobalBatchSampler`` does, so 1, 2 or 4 data-parallel ranks train on the same
 sequences, and the position (how many sequences each source has had) resumes exactly.
@@ -15,6 +16,7 @@ Memory: each source holds the permutation of its current epoch (4 bytes per wind
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,14 +131,19 @@ class MixtureSampler:
         num_samples: int | None = None,
         limit_batches: int = 0,
     ) -> None:
-        del num_samples  # each source counts its own windows
+        del num_samples  # GlobalBatchSampler's setting: each source counts its own windows
         self.windows, self.names = windows, windows.names
         self.weights = np.array([weights[name] for name in self.names], dtype=np.float64)
         self.micro_batch_size, self.grad_accum_steps = micro_batch_size, grad_accum_steps
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.global_batch_size = micro_batch_size * grad_accum_steps * dp_size
+        # trainer.overfit_batches: the first ``limit_batches`` global batches' worth of windows in all, each source
+        # keeping its weight's share of them (at least one window).
         limit = limit_batches * self.global_batch_size if limit_batches > 0 else None
-        self.sizes = [min(windows.counts[name], limit) if limit else windows.counts[name] for name in self.names]
+        self.sizes = [
+            min(windows.counts[name], max(1, math.ceil(weights[name] * limit))) if limit else windows.counts[name]
+            for name in self.names
+        ]
         self.drawn = np.zeros(len(self.names), dtype=np.int64)  # sequences each source has given the run
         self._epochs: dict[int, tuple[int, torch.Tensor]] = {}  # source -> (epoch, its permutation)
 
@@ -189,7 +196,13 @@ class MixtureSampler:
         total = max(1, sum(drawn.values()))
         return {f"data/{name}/fraction": drawn[name] / total for name in self.names}
 
+    @property
+    def num_samples(self) -> int:
+        """Windows the sources hold together (one epoch of each; the dry run's steps per epoch)."""
+        return sum(self.sizes)
+
     def batch_settings(self) -> dict[str, int]:
+        """The global batch and the factors it is made of (for the start-up line and ``summary.json``)."""
         return {
             "global_batch_size": self.global_batch_size,
             "micro_batch_size": self.micro_batch_size,
@@ -198,6 +211,7 @@ class MixtureSampler:
         }
 
     def describe(self, seq_len: int) -> str:
+        """One line: the global batch as micro-batch x accumulation x data-parallel degree, and the weights."""
         shares = ", ".join(f"{name} {weight:.0%}" for name, weight in zip(self.names, self.weights, strict=True))
         return (
             f"global batch {self.global_batch_size} sequences = micro-batch {self.micro_batch_size} x accumulation "

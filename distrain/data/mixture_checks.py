@@ -5,6 +5,7 @@ normalised. One line naming ``data.sources.<name>.path`` (or ``.weight``) otherw
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from numbers import Real
 from pathlib import Path
@@ -30,10 +31,13 @@ def check_mixture(cfg: DictConfig) -> PendingChecksums:
             raise ConfigError(f"data.sources.{name}", source, f"a mapping of {' and '.join(SOURCE_KEYS)} ({SOURCE})")
     settings = source_settings(sources)
     for name, (_, weight) in settings.items():
-        if isinstance(weight, bool) or not isinstance(weight, Real) or weight < 0:
-            raise ConfigError(f"data.sources.{name}.weight", weight, "a number >= 0")
-    if not any(weight > 0 for _, weight in settings.values()):
+        if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight) or weight < 0:
+            raise ConfigError(f"data.sources.{name}.weight", weight, "a finite number >= 0")
+    total = sum(float(weight) for _, weight in settings.values())
+    if not total > 0:
         raise ConfigError("data.sources", "every weight 0", "at least one source with a weight > 0")
+    if not math.isfinite(total):
+        raise ConfigError("data.sources", "weights summing past 1e308", "weights whose sum is a finite number")
     datasets = {name: _readable(name, path) for name, (path, _) in settings.items()}
     first = next(iter(datasets))
     for name, dataset in datasets.items():
@@ -44,8 +48,28 @@ def check_mixture(cfg: DictConfig) -> PendingChecksums:
                 f"tokenizer ({problem}): different vocabularies cannot be mixed"
             )  # fmt: skip
         _check_windows(name, settings[name][0], dataset, cfg.data.seq_len)
-    verified = list(datasets.values()) if cfg.data.get("verify_checksums", True) else []
-    return PendingChecksums(verified, key="data.sources", value="(their shards)")
+    return SourceChecksums(datasets, {name: path for name, (path, _) in settings.items()}, cfg.data.verify_checksums)
+
+
+class SourceChecksums:
+    """Every source's shards' checksums, checked on threads while the rest of the config is validated; a changed
+    shard is reported under its source's ``data.sources.<name>.path``. ``PendingChecksums``' interface."""
+
+    def __init__(self, datasets: dict[str, TokenDataset], paths: dict[str, Any], verify: bool) -> None:
+        self.pending = {
+            name: PendingChecksums([dataset] if verify else [], key=f"data.sources.{name}.path", value=paths[name])
+            for name, dataset in datasets.items()
+        }
+        self.key, self.value = "data.sources", None
+
+    def wait(self) -> None:
+        for pending in self.pending.values():
+            self.key, self.value = pending.key, pending.value  # what a DataError raised here is reported under
+            pending.wait()
+
+    def cancel(self) -> None:
+        for pending in self.pending.values():
+            pending.cancel()
 
 
 def _readable(name: str, path: Any) -> TokenDataset:

@@ -71,7 +71,8 @@ def restore_loop_state(
 @torch.no_grad()
 def evaluate_sets(strategy: Strategy, validation: ValidationSets, device: torch.device) -> dict[str, float]:
     """Each set's token-mean loss over every rank's batches, and ``val_loss`` (``ValidationSets.scores``). One
-    all-reduce of two numbers per set, on ``device``: NCCL reduces only device tensors."""
+    all-reduce of a (sets, 2) float64 tensor of loss sums and token counts, on ``device``: NCCL reduces only device
+    tensors."""
     totals = torch.zeros(len(validation.batches), 2, dtype=torch.float64)
     for row, batches in enumerate(validation.batches.values()):
         for batch in batches:
@@ -276,7 +277,7 @@ def _settle(loop: _Loop, boundary: _Boundary, failure: Exception | None) -> bool
     if not verdict.stop:
         return False
     if loop.window.steps:
-        record = {"step": state.step, **loop.window.close(), "lr": strategy.current_lr()}
+        record = {"step": state.step, **loop.window.close(), "lr": strategy.current_lr(), **loop.data.fractions()}
         loop.logged_losses.append(record["loss"])  # the summary's final train loss is this window's
         loop.reporter.log(record)
     saves = _saves(loop)
