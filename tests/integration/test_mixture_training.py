@@ -73,6 +73,10 @@ def test_one_rank_and_two_ranks_train_on_the_same_mixture_and_resume_exactly(sou
     after, before = losses(tmp_path / "resumed"), losses(tmp_path / "two")
     assert sorted(after) == list(range(7, 13)) and all(after[step] == before[step] for step in after)
     assert summary(tmp_path / "resumed")["data/code/fraction"] == pytest.approx(0.7, abs=0.01)
+    one_dataset = ["data=tokens", f"data.path={sources['code']}", "logger=none", "model.n_layers=1", "data.seq_len=64"]
+    switched = run_train([*one_dataset, f"checkpoint.resume={checkpoint}", "hydra.run.dir=switched"], tmp_path)
+    assert switched.returncode == 2 and switched.stderr.count("\n") == 1, switched.stderr
+    assert "data='one dataset' is not allowed: data=mix as in the checkpoint" in switched.stderr
 
 
 def test_a_source_made_with_another_vocabulary_is_refused_before_any_rank_starts(sources, tmp_path):
