@@ -124,21 +124,18 @@ def group_rule(optimizer: DictConfig, key: str) -> object:
 
 
 def _check_data_position(cfg: DictConfig, saved: DictConfig, where: str) -> None:
-    """The data position a checkpoint holds fits the run's data: a mixture's (sequences drawn per source) or one
-    dataset's (epoch and sequences into it). A source the checkpoint does not know starts at its first sequence."""
+    """The data position a checkpoint holds fits the run's data: a mixture's (sequences drawn per source, by name)
+    or one dataset's (epoch and sequences into it)."""
     ours = cfg.data.get("sources") if "sources" in cfg.data.keys() else None
     theirs = saved.data.get("sources") if "data" in saved and "sources" in saved.data else None
     if (ours is None) != (theirs is None):
         value, allowed = ("one dataset", "data=mix") if ours is None else (dict(ours), "one dataset, not data=mix")
         raise ConfigError("data", value, f"{allowed} {where} (it resumes that data's position; start a new run)")
     if ours is not None and set(ours) != set(theirs):
-        log.warning(
-            "data.sources: resuming %s; sources it does not hold (%s) start at their first sequence, and its "
-            "sources left out (%s) are dropped",
-            where.removeprefix("as in "),
-            ", ".join(sorted(set(ours) - set(theirs))) or "none",
-            ", ".join(sorted(set(theirs) - set(ours))) or "none",
-        )
+        raise ConfigError(
+            "data.sources", ", ".join(ours), f"the sources {', '.join(theirs)} {where} (it holds how many sequences "
+            "each has given; their weights may change, their names not: start a new run to change them)"
+        )  # fmt: skip
 
 
 def check_resumable(cfg: DictConfig, checkpoint: Path, world_size: int) -> None:

@@ -145,6 +145,9 @@ class MixtureSampler:
             for name in self.names
         ]
         self.drawn = np.zeros(len(self.names), dtype=np.int64)  # sequences each source has given the run
+        # The counts when these weights took effect: a run resumed with other weights follows them from there on,
+        # instead of catching up on the sequences the old weights drew.
+        self.since = np.zeros(len(self.names), dtype=np.int64)
         self._epochs: dict[int, tuple[int, torch.Tensor]] = {}  # source -> (epoch, its permutation)
 
     def next_step(self) -> list[torch.Tensor]:
@@ -161,7 +164,7 @@ class MixtureSampler:
     def _assign(self, count: int) -> np.ndarray:
         """The sources of the run's next ``count`` sequences: each goes to the source furthest behind its share
         (the first such source on a tie). Plain floats: numpy's per-call overhead would dominate 3-element sums."""
-        weights, drawn = self.weights.tolist(), self.drawn.tolist()
+        weights, drawn = self.weights.tolist(), (self.drawn - self.since).tolist()
         total, order = sum(drawn), range(len(weights))
         sources = np.empty(count, dtype=np.int64)
         for slot in range(count):
@@ -220,10 +223,18 @@ class MixtureSampler:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The position: how many sequences each source has given (by name), and the seed."""
-        return {"seed": self.seed, "drawn": dict(zip(self.names, self.drawn.tolist(), strict=True))}
+        """The position: how many sequences each source has given (by name), the counts when the current weights
+        took effect, the weights and the seed."""
+        by_name = lambda counts: dict(zip(self.names, counts.tolist(), strict=True))  # noqa: E731
+        weights = dict(zip(self.names, self.weights.tolist(), strict=True))
+        return {"seed": self.seed, "drawn": by_name(self.drawn), "since": by_name(self.since), "weights": weights}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; with weights other than the saved ones, they apply from this position on."""
         self.seed = state["seed"]
-        self.drawn = np.array([int(state["drawn"].get(name, 0)) for name in self.names], dtype=np.int64)
+        self.drawn = np.array([int(state["drawn"][name]) for name in self.names], dtype=np.int64)
+        saved = np.array([float(state["weights"][name]) for name in self.names])
+        same_weights = np.allclose(saved, self.weights, rtol=0, atol=1e-12)
+        since = [int(state["since"][name]) for name in self.names] if same_weights else self.drawn.tolist()
+        self.since = np.array(since, dtype=np.int64)
         self._epochs = {}

@@ -27,8 +27,12 @@ def check_mixture(cfg: DictConfig) -> PendingChecksums:
     if not sources or not isinstance(sources, Mapping):
         raise ConfigError("data.sources", sources if sources is not None else "null", f"at least one source: {SOURCE}")
     for name, source in sources.items():
-        if not isinstance(source, Mapping) or set(source) - set(SOURCE_KEYS):
-            raise ConfigError(f"data.sources.{name}", source, f"a mapping of {' and '.join(SOURCE_KEYS)} ({SOURCE})")
+        unknown = sorted(set(source) - set(SOURCE_KEYS)) if isinstance(source, Mapping) else None
+        if unknown is None or unknown:
+            what = f"no {', '.join(unknown)}: " if unknown else ""
+            raise ConfigError(
+                f"data.sources.{name}", source, f"a mapping of {' and '.join(SOURCE_KEYS)} ({what}{SOURCE})"
+            )
     settings = source_settings(sources)
     for name, (_, weight) in settings.items():
         if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight) or weight < 0:
@@ -45,9 +49,10 @@ def check_mixture(cfg: DictConfig) -> PendingChecksums:
         if problem:
             raise ConfigError(
                 f"data.sources.{name}.path", settings[name][0], f"a dataset made with data.sources.{first}'s "
-                f"tokenizer ({problem}): different vocabularies cannot be mixed"
+                f"tokenizer ({problem}): ids of different tokenizers cannot be mixed"
             )  # fmt: skip
-        _check_windows(name, settings[name][0], dataset, cfg.data.seq_len)
+        if cfg.data.seq_len <= cfg.model.get("max_seq_len", cfg.data.seq_len):  # else the model's check says so
+            _check_windows(name, settings[name][0], dataset, cfg.data.seq_len)
     return SourceChecksums(datasets, {name: path for name, (path, _) in settings.items()}, cfg.data.verify_checksums)
 
 
@@ -103,6 +108,6 @@ def _check_windows(name: str, path: str, dataset: TokenDataset, seq_len: int) ->
         longest = max(shard.tokens for shard in index.shards) - 1
         if longest < seq_len:
             raise ConfigError(
-                f"data.sources.{name}.path", path, f"a dataset whose {split} split holds a window of data.seq_len="
-                f"{seq_len} tokens (its longest shard holds {longest + 1}): every source trains and validates"
+                f"data.sources.{name}.path", path, f"a dataset whose {split} split holds a window of data.seq_len + 1"
+                f" = {seq_len + 1} tokens (its longest shard holds {longest + 1}): every source trains and validates"
             )  # fmt: skip

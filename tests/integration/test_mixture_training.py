@@ -77,6 +77,10 @@ def test_one_rank_and_two_ranks_train_on_the_same_mixture_and_resume_exactly(sou
     switched = run_train([*one_dataset, f"checkpoint.resume={checkpoint}", "hydra.run.dir=switched"], tmp_path)
     assert switched.returncode == 2 and switched.stderr.count("\n") == 1, switched.stderr
     assert "data='one dataset' is not allowed: data=mix as in the checkpoint" in switched.stderr
+    renamed = mixture_args({"code": sources["code"], "prose": sources["docs"]}, f"checkpoint.resume={checkpoint}")
+    refused = run_train([*renamed, "hydra.run.dir=renamed"], tmp_path)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "data.sources='code, prose' is not allowed: the sources code, docs as in the checkpoint" in refused.stderr
 
 
 def test_a_source_made_with_another_vocabulary_is_refused_before_any_rank_starts(sources, tmp_path):
@@ -84,4 +88,6 @@ def test_a_source_made_with_another_vocabulary_is_refused_before_any_rank_starts
     args = mixture_args({"code": sources["code"], "other": other}, "trainer.max_steps=2")
     refused = run_train([*args, "hydra.run.dir=run"], tmp_path)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert "data.sources.other.path=" in refused.stderr and "different vocabularies cannot be mixed" in refused.stderr
+    assert (
+        "data.sources.other.path=" in refused.stderr and "ids of different tokenizers cannot be mixed" in refused.stderr
+    )

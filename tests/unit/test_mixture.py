@@ -117,8 +117,8 @@ def test_a_mixture_of_two_datasets_passes(datasets):
         ({"a": ("a", 1e308), "b": ("b", 1e308)}, "data.sources='weights summing past 1e308' is not allowed"),
         ({"a": ("a", 0), "b": ("b", 0)}, "data.sources='every weight 0' is not allowed: at least one source"),
         ({"a": ("a", 1), "b": ("missing", 1)}, "data.sources.b.path="),
-        ({"a": ("a", 1), "b": ("other_vocabulary", 1)}, "different vocabularies cannot be mixed"),
-        ({"a": ("a", 1), "b": ("short_val", 1)}, "a dataset whose val split holds a window of data.seq_len=64"),
+        ({"a": ("a", 1), "b": ("other_vocabulary", 1)}, "ids of different tokenizers cannot be mixed"),
+        ({"a": ("a", 1), "b": ("short_val", 1)}, "a dataset whose val split holds a window of data.seq_len + 1 = 65"),
     ],
 )
 def test_a_bad_mixture_is_refused_in_one_line(datasets, tmp_path, sources, line):
@@ -133,7 +133,7 @@ def test_a_source_without_a_path_or_with_an_unknown_key_is_refused_and_the_weigh
     validate(compose_config(["data=mix", f"data.sources={{{given}}}", "data.seq_len=64"]))  # weight 1
     for sources, line in (
         ("{a:{weight:1}}", "data.sources.a.path=null is not allowed: a prepared dataset directory"),
-        (f"{{a:{{path:{datasets['a']},wieght:1}}}}", "data.sources.a="),
+        (f"{{a:{{path:{datasets['a']},wieght:1}}}}", "a mapping of path and weight (no wieght:"),
         ("{a:3}", "data.sources.a=3 is not allowed: a mapping of path and weight"),
     ):
         with pytest.raises(ConfigError) as refused:
@@ -208,3 +208,23 @@ def test_a_dry_run_plans_a_mixture(datasets):
     listed = f"a:{{path:{datasets['a']},weight:0.5}},b:{{path:{datasets['b']},weight:0.5}}"
     report = plan(compose_config(["data=mix", f"data.sources={{{listed}}}", "data.seq_len=64", *target]))
     assert report.global_batch_size == 16 and report.steps_per_epoch == (2 * (3999 // 64)) // 16
+
+
+def test_a_resume_with_new_weights_follows_them_from_there_on():
+    windows = split()
+    first = sampler(windows)
+    for _ in range(10):
+        first.next_step()
+    changed = {"web": 0.2, "code": 0.2, "math": 0.6}
+    resumed = MixtureSplit({n: torch.zeros(SIZES[n] * 8 + 1, dtype=torch.long) for n in changed}, changed).windows(8)
+    drawing = sampler(resumed)
+    drawing.load_state_dict(first.state_dict())
+    before = dict(drawing.state_dict()["drawn"])
+    for _ in range(10):
+        drawing.next_step()
+    after = drawing.state_dict()["drawn"]
+    added = {name: after[name] - before[name] for name in changed}  # 80 sequences since the resume
+    assert added == {name: round(w * 80) for name, w in changed.items()}, added
+    again = sampler(resumed)  # a second resume with the same new weights keeps counting from the first
+    again.load_state_dict(drawing.state_dict())
+    assert again.state_dict()["since"] == drawing.state_dict()["since"] == before
