@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distrain.data.sampler import Batch, token_windows
+from distrain.data.sampler import Batch, GlobalBatchSampler, token_windows
 from distrain.data.tokens import ShardedTokens, token_corpus
 
 
@@ -204,23 +204,13 @@ class MixtureSampler:
         """Windows the sources hold together (one epoch of each; the dry run's steps per epoch)."""
         return sum(self.sizes)
 
-    def batch_settings(self) -> dict[str, int]:
-        """The global batch and the factors it is made of (for the start-up line and ``summary.json``)."""
-        return {
-            "global_batch_size": self.global_batch_size,
-            "micro_batch_size": self.micro_batch_size,
-            "grad_accum_steps": self.grad_accum_steps,
-            "data_parallel": self.dp_size,
-        }
+    # The global batch's settings and start-up line are one dataset's: the same attributes, the same layout.
+    batch_settings = GlobalBatchSampler.batch_settings
 
     def describe(self, seq_len: int) -> str:
         """One line: the global batch as micro-batch x accumulation x data-parallel degree, and the weights."""
         shares = ", ".join(f"{name} {weight:.0%}" for name, weight in zip(self.names, self.weights, strict=True))
-        return (
-            f"global batch {self.global_batch_size} sequences = micro-batch {self.micro_batch_size} x accumulation "
-            f"{self.grad_accum_steps} x data-parallel {self.dp_size} ({self.global_batch_size * seq_len:,} tokens "
-            f"per step), mixed {shares}"
-        )
+        return f"{GlobalBatchSampler.describe(self, seq_len)}, mixed {shares}"
 
     def state_dict(self) -> dict[str, Any]:
         """The position: how many sequences each source has given (by name), the counts when the current weights

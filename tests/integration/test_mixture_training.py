@@ -2,25 +2,12 @@
 validation loss; one rank with accumulation and two data-parallel ranks train on the same global batches; a resume
 from a checkpoint continues with exactly the losses of the uninterrupted run."""
 
-import json
-
 import numpy as np
 import pytest
 from helpers import REPO, run_readme_bash_block, run_train, write_token_dataset
+from replica_groups_helpers import losses, records, summary
 
 pytestmark = [pytest.mark.integration]
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir):
-    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
-
-
-def summary(run_dir):
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def test_the_docs_mixture_block_runs_as_written(tmp_path):
