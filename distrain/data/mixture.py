@@ -24,14 +24,14 @@ import numpy as np
 import torch
 
 from distrain.data.sampler import Batch, GlobalBatchSampler, token_windows
-from distrain.data.tokens import ShardedTokens, token_corpus
+from distrain.data.tokens import token_corpus
 
 
 @dataclass(frozen=True)
 class MixtureSplit:
     """One split (train or validation) of every source, by name, and the sources' normalised weights."""
 
-    sources: dict[str, ShardedTokens]
+    sources: dict[str, Any]  # name -> ShardedTokens (Any: Hydra may wrap this dataclass in a config)
     weights: dict[str, float]
 
     def windows(self, seq_len: int) -> MixtureWindows:

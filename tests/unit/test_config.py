@@ -32,6 +32,11 @@ def test_every_option_composes_validates_and_instantiates(group, option, tmp_pat
         ids = np.frombuffer(Path(__file__).read_bytes() * 4, dtype=np.uint8)
         fast = [o for o in fast if "max_bytes" not in o]
         fast.append(f"data.path={write_token_dataset(tmp_path / 'tokens', {'train': [ids], 'val': [ids[:2000]]})}")
+    if option == "mix":  # two such datasets, mixed
+        ids = np.frombuffer(Path(__file__).read_bytes() * 4, dtype=np.uint8)
+        fast = [o for o in fast if "max_bytes" not in o]
+        made = [write_token_dataset(tmp_path / name, {"train": [ids], "val": [ids[:2000]]}) for name in "ab"]
+        fast.append(f"data.sources={{a:{{path:{made[0]},weight:0.7}},b:{{path:{made[1]},weight:0.3}}}}")
     cfg = compose_config([*fast, f"{group}={option}"])
     plan = validate(cfg)
     assert plan.nproc_per_node >= 1
