@@ -72,16 +72,17 @@ def inspect_token_dataset(path: str | Path, *, checksums: bool = True) -> TokenD
 class PendingChecksums:
     """Every shard's checksum of ``datasets`` (inspected without them; empty: nothing to check), checked on a thread
     of this process with one core left to the caller. A first start-up on a dataset copied from elsewhere reads all
-    of its shards: the launch validates the rest of the config meanwhile and waits before any rank starts. ``key``
-    and ``value`` name the setting a changed shard is reported under (``data.path``, or a mixture's sources)."""
+    of its shards: the launch validates the rest of the config meanwhile and waits before any rank starts. Each
+    dataset comes with the setting that names it (``key``, ``value``): after a changed shard, ``key`` and ``value``
+    are that dataset's (``data.path``, or a mixture's ``data.sources.<name>.path``)."""
 
-    def __init__(self, datasets: Sequence[TokenDataset] = (), key: str = "data.path", value: Any = None) -> None:
-        self.key, self.value = key, value
+    def __init__(self, datasets: Sequence[tuple[TokenDataset, str, Any]] = ()) -> None:
+        self.key, self.value = "data.path", None
         self.stop = threading.Event()
         self.future: Future[None] | None = None
         if datasets:
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distrain-checksums")
-            self.future = pool.submit(_verify_all, list(datasets), self.stop)
+            self.future = pool.submit(_verify_all, list(datasets), self, self.stop)
             pool.shutdown(wait=False)  # its one thread ends with the checksums (or at cancel)
 
     def wait(self) -> None:
@@ -94,9 +95,12 @@ class PendingChecksums:
         self.stop.set()
 
 
-def _verify_all(datasets: list[TokenDataset], stop: threading.Event) -> None:
+def _verify_all(
+    datasets: list[tuple[TokenDataset, str, Any]], pending: PendingChecksums, stop: threading.Event
+) -> None:
     try:
-        for dataset in datasets:
+        for dataset, key, value in datasets:
+            pending.key, pending.value = key, value  # the setting a DataError raised next is about
             for index in dataset.splits.values():
                 verify_checksums(dataset.directory, index, spare_cores=1, stop=stop)
     except ChecksumsCancelled:

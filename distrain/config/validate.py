@@ -335,4 +335,4 @@ def _validate_dataset(cfg: DictConfig) -> PendingChecksums:
         dataset = inspect_token_dataset(path, checksums=False)
     except DataError as err:
         raise ConfigError("data.path", path, f"a readable dataset: {err}") from None
-    return PendingChecksums([dataset] if cfg.data.get("verify_checksums", True) else [], value=path)
+    return PendingChecksums([(dataset, "data.path", path)] if cfg.data.get("verify_checksums", True) else [])

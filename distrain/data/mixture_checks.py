@@ -53,28 +53,8 @@ def check_mixture(cfg: DictConfig) -> PendingChecksums:
             )  # fmt: skip
         if cfg.data.seq_len <= cfg.model.get("max_seq_len", cfg.data.seq_len):  # else the model's check says so
             _check_windows(name, settings[name][0], dataset, cfg.data.seq_len)
-    return SourceChecksums(datasets, {name: path for name, (path, _) in settings.items()}, cfg.data.verify_checksums)
-
-
-class SourceChecksums:
-    """Every source's shards' checksums, checked on threads while the rest of the config is validated; a changed
-    shard is reported under its source's ``data.sources.<name>.path``. ``PendingChecksums``' interface."""
-
-    def __init__(self, datasets: dict[str, TokenDataset], paths: dict[str, Any], verify: bool) -> None:
-        self.pending = {
-            name: PendingChecksums([dataset] if verify else [], key=f"data.sources.{name}.path", value=paths[name])
-            for name, dataset in datasets.items()
-        }
-        self.key, self.value = "data.sources", None
-
-    def wait(self) -> None:
-        for pending in self.pending.values():
-            self.key, self.value = pending.key, pending.value  # what a DataError raised here is reported under
-            pending.wait()
-
-    def cancel(self) -> None:
-        for pending in self.pending.values():
-            pending.cancel()
+    verified = [(dataset, f"data.sources.{name}.path", settings[name][0]) for name, dataset in datasets.items()]
+    return PendingChecksums(verified if cfg.data.verify_checksums else [])
 
 
 def _readable(name: str, path: Any) -> TokenDataset:

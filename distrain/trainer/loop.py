@@ -135,8 +135,12 @@ class _Loop:
     skipped_steps: int = 0
     dropped_steps: int = 0  # ft=torchft: steps the quorum did not commit (a group failed during them), run again
     logged_losses: list[float] = field(default_factory=list)
-    val_loss: float | None = None  # None until the first validation (a run stopped before it has none)
     val_scores: dict[str, float] = field(default_factory=dict)  # the last validation's, per source of a mixture
+
+    @property
+    def val_loss(self) -> float | None:
+        """The last validation loss; None until the first validation (a run stopped before it has none)."""
+        return self.val_scores.get("val_loss")
 
 
 def train(
@@ -223,7 +227,6 @@ def _step(loop: _Loop) -> None:
     paused = time.perf_counter()
     if settings.evaluates_after(state.step):
         loop.val_scores = evaluate_sets(strategy, loop.validation, loop.device)
-        loop.val_loss = loop.val_scores["val_loss"]
         record |= loop.val_scores
     if len(record) > 1:
         loop.reporter.log(record)
