@@ -182,6 +182,7 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
     model_cfg = run_cfg.model
     data_tokenizer = data_tokenizer_file(run_cfg)
     tokenizer = [] if data_tokenizer else tokenizer_files(model_cfg)
+    token_ids = special_token_ids(run_cfg, data_tokenizer)
     if "init_from" in model_cfg:
         model_cfg.init_from = None  # the checkpoint holds the weights
     try:
@@ -195,6 +196,8 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
         raise ValueError(f"{spec.label} has no Hugging Face counterpart (ModelSpec.hf); use the default format")
     hf_config = spec.hf.config(model)
     hf_config.dtype = torch.float32  # the weights written; a source saved in bf16 would otherwise load as bf16
+    for name, token_id in token_ids.items():
+        setattr(hf_config, name, token_id)
     state = spec.hf.to_hf(consolidated_model_state(found.path, inspected=True))
     if getattr(hf_config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # transformers ties it to the embedding; safetensors stores no shared tensors
@@ -224,6 +227,30 @@ def data_tokenizer_file(run_cfg: DictConfig) -> Path | None:
         return tokenizer_path(path)
     except ValueError:  # the dataset moved or is gone: the export goes on without a tokenizer
         return None
+
+
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_token_ids(run_cfg: DictConfig, data_tokenizer: Path | None) -> dict[str, object]:
+    """The ``config.json`` token ids that agree with the tokenizer exported beside the weights, so that
+    ``generate`` stops where training's documents ended: a dataset's end-of-document id (no beginning or padding
+    id: documents were joined by it alone); else the ids of the Hugging Face directory the model came from; else
+    none (a config class's own defaults, e.g. Llama's 1 and 2, name tokens of a tokenizer the run never used)."""
+    ids: dict[str, object] = dict.fromkeys(SPECIAL_TOKEN_IDS)
+    if data_tokenizer is not None:
+        if not is_char_vocab(data_tokenizer):
+            from distrain.data.token_format import read_index
+            from distrain.data.tokens import dataset_directory
+
+            ids["eos_token_id"] = read_index(dataset_directory(dataset_path(run_cfg.data)), "train").eos_id
+        return ids
+    model_cfg = run_cfg.model
+    source = model_cfg.get("name_or_path") or model_cfg.get("init_from")
+    if source and (Path(source) / "config.json").is_file():
+        source_config = json.loads((Path(source) / "config.json").read_text())
+        ids |= {name: source_config.get(name) for name in SPECIAL_TOKEN_IDS}
+    return ids
 
 
 def write_data_tokenizer(tokenizer_file: Path, dataset: str, out: Path) -> None:

@@ -54,7 +54,7 @@ def hf_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**HF_SIZES, initializer_range=0.1)
+    config = LlamaConfig(**HF_SIZES, initializer_range=0.1, bos_token_id=5, eos_token_id=7, pad_token_id=None)
     config._attn_implementation = "eager"
     model = LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("hf_llama")
@@ -101,6 +101,8 @@ def test_trains_from_hf_weights_and_exports_what_transformers_loads(hf_llama, tm
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     reloaded = Llama(**from_hf_config(hf.config), init_from=str(out)).state_dict()  # ours -> HF files -> ours
     assert reloaded.keys() == state.keys() and all(torch.equal(reloaded[k], state[k]) for k in state)
+    special = ("bos_token_id", "eos_token_id", "pad_token_id")
+    assert [getattr(loaded.config, name) for name in special] == [getattr(hf.config, name) for name in special]
     text = "hello distributed world"
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(path)(text).input_ids
 

@@ -172,6 +172,13 @@ def test_text_jsonl_and_parquet_prepared_then_trained_with_the_loss_falling(tmp_
     theirs = AutoTokenizer.from_pretrained(out)
     assert theirs(text).input_ids == Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json")).encode(text).ids
     assert theirs.eos_token == "<|endoftext|>"
+    # The model's config names the same end of text, so generate() stops where the training documents ended.
+    from transformers import AutoConfig, GenerationConfig
+
+    eos_id = theirs.convert_tokens_to_ids("<|endoftext|>")
+    config = AutoConfig.from_pretrained(out)
+    assert (config.eos_token_id, config.bos_token_id, config.pad_token_id) == (eos_id, None, None)
+    assert GenerationConfig.from_model_config(config).eos_token_id == eos_id
 
 
 def understated_dataset(directory, bad_positions):
