@@ -61,8 +61,11 @@ def run_readme_bash_block(
     )  # fmt: skip
 
 
-def write_token_dataset(directory: Path, splits: dict[str, list[np.ndarray]], vocab_size: int = 256) -> Path:
-    """A dataset in distrain's token format from ``{split: [shard ids, ...]}`` (uint16), indexes written last."""
+def write_token_dataset(
+    directory: Path, splits: dict[str, list[np.ndarray]], vocab_size: int = 256, eos_id: int | None = None
+) -> Path:
+    """A dataset in distrain's token format from ``{split: [shard ids, ...]}`` (uint16), indexes written last;
+    ``eos_id``: the id its documents end with (None: it has no documents)."""
     from distrain.data.token_format import Shard, SplitIndex, sha256_of, write_index
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -75,7 +78,7 @@ def write_token_dataset(directory: Path, splits: dict[str, list[np.ndarray]], vo
         tokens = sum(len(ids) for ids in shards)
         largest = max(int(np.max(ids)) for ids in shards if len(ids))
         write_index(
-            directory, SplitIndex(split, "uint16", vocab_size, None, None, None, tokens, largest, tuple(written))
+            directory, SplitIndex(split, "uint16", vocab_size, eos_id, None, None, tokens, largest, tuple(written))
         )
     return directory
 

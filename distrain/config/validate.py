@@ -24,6 +24,7 @@ from distrain.config.global_batch import derive_accumulation, validate_data_fits
 from distrain.config.options import Placement, own_checks
 from distrain.data.mixture import source_settings
 from distrain.data.mixture_checks import check_mixture
+from distrain.data.packing_checks import check_document_masking
 from distrain.data.token_format import DataError
 from distrain.data.tokens import largest_token_id as dataset_largest_token_id
 from distrain.errors import ArtifactError
@@ -246,6 +247,7 @@ def _validate_model_and_data(cfg: DictConfig) -> nn.Module | None:
     family = spec_for_config(cfg)
     if family.check_config:
         family.check_config(cfg)  # the family's own keys (heads, widths, ...), next to its model
+    check_document_masking(cfg, family)
     largest_token = largest_token_id(cfg.data.corpus)
     if vocab_size and largest_token >= vocab_size:
         raise ConfigError(

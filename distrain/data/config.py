@@ -35,6 +35,7 @@ class StdlibDataConfig:
     # degree). When set, trainer.grad_accum_steps is derived from it and the layout, so a layout change keeps it.
     global_batch_size: int | None = None
     seq_len: int = 128  # tokens per sequence (at most model.max_seq_len)
+    document_masking: bool = False  # refused: this corpus is one stream without documents
     corpus: StdlibCorpusConfig = field(default_factory=StdlibCorpusConfig)
 
 
@@ -43,6 +44,7 @@ class SyntheticDataConfig:
     micro_batch_size: int = 8
     global_batch_size: int | None = None
     seq_len: int = 128
+    document_masking: bool = False  # refused: this corpus is one stream without documents
     corpus: SyntheticCorpusConfig = field(default_factory=SyntheticCorpusConfig)
 
 
@@ -66,6 +68,8 @@ class TokensDataConfig:
     path: str = MISSING  # the dataset directory
     verify_checksums: bool = True  # every shard's CRC-32 (or SHA-256) against its index before any rank starts
     prefetch: bool = True  # the next step's batches read by a background thread during this step
+    # Positions restart and attention stays inside each document of a window; boundary targets not counted.
+    document_masking: bool = False
     corpus: TokensCorpusConfig = field(default_factory=TokensCorpusConfig)
 
 
@@ -97,4 +101,6 @@ class MixDataConfig:
     sources: Any = None  # name -> {path, weight} (MixSourceConfig); Any: the command line may set the whole mapping
     verify_checksums: bool = True
     prefetch: bool = True
+    # Positions restart and attention stays inside each document of a window; boundary targets not counted.
+    document_masking: bool = False
     corpus: MixCorpusConfig = field(default_factory=MixCorpusConfig)

@@ -18,6 +18,7 @@ class TokenCorpus:
     train: torch.Tensor
     val: torch.Tensor
     vocab_size: int
+    eos_id: int | None = None  # the id ending each document (None: the stream has no documents)
 
 
 def _split(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ Memory: each source holds the permutation of its current epoch (4 bytes per wind
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ class MixtureCorpus:
     train: MixtureSplit
     val: MixtureSplit
     vocab_size: int
+    eos_id: int | None = None  # the sources' end-of-document id (one tokenizer); None when one has none
 
 
 SOURCE_KEYS = ("path", "weight")
@@ -75,7 +77,14 @@ def mixture_corpus(sources: Any, vocab_limit: int | None = None) -> MixtureCorpu
         train=MixtureSplit({name: corpus.train for name, corpus in corpora.items()}, weights),
         val=MixtureSplit({name: corpus.val for name, corpus in corpora.items()}, weights),
         vocab_size=max(corpus.vocab_size for corpus in corpora.values()),
+        eos_id=common_value(corpus.eos_id for corpus in corpora.values()),
     )
+
+
+def common_value(values: Iterable[Any]) -> Any:
+    """The one value every source has, else None."""
+    distinct = set(values)
+    return distinct.pop() if len(distinct) == 1 else None
 
 
 class MixtureWindows:

@@ -9,28 +9,64 @@ sequences. Within an epoch no sequence is seen twice; the tail that does not fil
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 
 from distrain.errors import ArtifactError
 
+# The target id cross-entropy skips (torch's default ``ignore_index``): a next token the loss must not count.
+IGNORE_INDEX = -100
+
 
 @dataclass(frozen=True)
 class Batch:
-    """One micro-batch: ``inputs`` and ``targets`` (next tokens), both int64 of shape (batch, seq)."""
+    """One micro-batch: ``inputs`` and ``targets`` (next tokens), both int64 of shape (batch, seq).
+
+    With document masking (``distrain.data.packing``) ``documents`` holds each input token's document number inside
+    its sequence (int64, (batch, seq)), the model's forward takes it (``model_kwargs``) to restart positions and keep
+    attention inside documents, and targets across a boundary are ``IGNORE_INDEX``. ``step_tokens`` is then the
+    step's counted tokens per data-parallel rank (the mean over ranks, ``distrain.data.packing.count_step_tokens``):
+    what every rank divides its summed loss by.
+    """
 
     inputs: torch.Tensor
     targets: torch.Tensor
+    documents: torch.Tensor | None = None
+    step_tokens: float | None = None
 
     @property
     def num_tokens(self) -> int:
-        return self.targets.numel()
+        """The targets the loss counts."""
+        if self.documents is None:
+            return self.targets.numel()
+        return int((self.targets != IGNORE_INDEX).sum())
+
+    @property
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """What the model's forward takes besides the inputs."""
+        return {} if self.documents is None else {"documents": self.documents}
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True))
+        documents = None if self.documents is None else self.documents.to(device, non_blocking=True)
+        inputs, targets = (t.to(device, non_blocking=True) for t in (self.inputs, self.targets))
+        return replace(self, inputs=inputs, targets=targets, documents=documents)
+
+    def pinned(self) -> Batch:
+        """The batch in pinned CPU memory (an asynchronous copy to a GPU)."""
+        documents = None if self.documents is None else self.documents.pin_memory()
+        return replace(self, inputs=self.inputs.pin_memory(), targets=self.targets.pin_memory(), documents=documents)
+
+
+def step_token_count(micro_batches: Sequence[Batch]) -> float:
+    """What a rank divides the summed loss of a step's ``micro_batches`` by, so that the data-parallel mean of the
+    ranks' gradients is the gradient of the global batch's token mean: the step's counted tokens per data-parallel
+    rank when the batches carry it (document masking counts different tokens on each rank), else this rank's."""
+    given = micro_batches[0].step_tokens if micro_batches else None
+    return given if given is not None else sum(batch.num_tokens for batch in micro_batches)
 
 
 class TokenWindows:
@@ -175,17 +211,26 @@ class TrainBatches:
     """
 
     def __init__(
-        self, windows: Windows, sampler: GlobalBatchSampler, *, prefetch: bool = False, pin_memory: bool = False
+        self,
+        windows: Windows,
+        sampler: GlobalBatchSampler,
+        *,
+        prefetch: bool = False,
+        pin_memory: bool = False,
+        transform: Callable[[Batch], Batch] | None = None,
     ) -> None:
         self.windows, self.sampler, self.pin_memory = windows, sampler, pin_memory
+        self.transform = transform  # applied to each batch as it is read (document masking)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distrain-data") if prefetch else None
         self._pending: tuple[Future | list[Batch], dict[str, Any]] | None = None
         self._returned_state: dict[str, Any] | None = None
 
     def _read(self, indices: list[torch.Tensor]) -> list[Batch]:
         batches = [self.windows.batch(step_indices) for step_indices in indices]
+        if self.transform is not None:
+            batches = [self.transform(batch) for batch in batches]
         if self.pin_memory:
-            batches = [Batch(b.inputs.pin_memory(), b.targets.pin_memory()) for b in batches]
+            batches = [batch.pinned() for batch in batches]
         return batches
 
     def _request_next(self) -> tuple[Future | list[Batch], dict[str, Any]]:

@@ -138,6 +138,7 @@ def token_corpus(path: str, vocab_limit: int | None = None) -> TokenCorpus:
         train=ShardedTokens(directory, train, vocab_limit),
         val=ShardedTokens(directory, val, vocab_limit),
         vocab_size=max(train.vocab_size, val.vocab_size),
+        eos_id=train.eos_id,
     )
 
 

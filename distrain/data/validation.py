@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,11 @@ class ValidationSets:
     @classmethod
     def single(cls, batches: list[Batch]) -> ValidationSets:
         return cls({"": batches}, {"": 1.0})
+
+    def transformed(self, transform: Callable[[Batch], Batch]) -> ValidationSets:
+        """The same sets with ``transform`` applied to every batch (document masking)."""
+        batches = {name: [transform(batch) for batch in sets] for name, sets in self.batches.items()}
+        return ValidationSets(batches, self.weights)
 
     def scores(self, losses: list[float]) -> dict[str, float]:
         """``val_loss`` from each set's loss (in ``batches``' order), and ``val/<name>/loss`` for a mixture's."""

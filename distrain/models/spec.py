@@ -10,7 +10,10 @@ The pieces a spec names:
 
 - ``blocks``: the dotted path of an ``nn.ModuleDict`` of the repeated blocks. They are FSDP's sharding units,
   activation checkpointing's and compile's units and the pipeline's split points. Each block is called with the
-  hidden states alone.
+  hidden states (and, under document masking, the sequence's documents).
+- ``document_masking``: the model's forward takes ``documents=`` (long, (batch, seq): each token's document inside
+  its sequence; ``distrain.data.packing``), restarts positions at each document and attends only inside it; every
+  pipeline stage takes it too. False: ``data.document_masking=true`` is refused before any rank starts.
 - ``before_blocks`` / ``after_blocks``: the model's own children used before the first block (embeddings) and after
   the last (final norm, output head). A pipeline stage is the model itself with the children it does not hold set to
   ``None`` and only its blocks left in the ``ModuleDict``; the model's one forward skips what is ``None``.
@@ -118,6 +121,8 @@ class ModelSpec:
     # Turns on context-parallel attention in every attention module, given a ContextParallel (Any: no import cycle).
     context_parallel: Callable[[nn.Module, Any], None] | None = None
     expert_parallel: ExpertParallelPlan | None = None  # how ``parallelism.ep`` splits the experts; None: no experts
+    # Its forward takes ``documents=`` (document masking: positions restart and attention stays in each document).
+    document_masking: bool = False
     # Parameter name -> role, for families whose roles the generic rule gets wrong (None: ``parameter_roles``'s rule).
     roles: Callable[[nn.Module], dict[str, str]] | None = None
 

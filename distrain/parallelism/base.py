@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distrain.comm.ddp_comm import DDPComm
-from distrain.data.sampler import Batch
+from distrain.data.sampler import Batch, step_token_count
 from distrain.errors import RunError
 from distrain.launch.process_group import DistEnv
 from distrain.models.spec import spec_of
@@ -201,16 +201,15 @@ class LocalBackwardStrategy:
         self.model.train()
         self._marks: dict[str, Any] = {}
         self.ctx.comm.begin_step()
-        total_tokens = sum(batch.num_tokens for batch in micro_batches)
+        total_tokens = step_token_count(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
         with self.ctx.comm.gradient_point():
             for index, batch in enumerate(micro_batches):
                 batch = batch.to(self.device)
                 with self.gradient_sync(index == len(micro_batches) - 1), self.loss_context():
                     with self.ctx.precision.autocast(self.device):
-                        objective, micro_loss = self.spec.objective(
-                            self.unwrapped, self.model(batch.inputs), batch.targets
-                        )
+                        output = self.model(batch.inputs, **batch.model_kwargs)
+                        objective, micro_loss = self.spec.objective(self.unwrapped, output, batch.targets)
                     self.scaler.scale(objective / total_tokens).backward()
                 loss_sum += as_tensor(micro_loss.detach())
         self._marks["backward_done"] = self.ctx.clock.mark()
@@ -322,7 +321,8 @@ class LocalBackwardStrategy:
         self.model.eval()
         batch = batch.to(self.device)
         with self.loss_context(), self.ctx.precision.autocast(self.device):
-            return as_tensor(self.spec.loss(self.model(batch.inputs), batch.targets)), batch.num_tokens
+            output = self.model(batch.inputs, **batch.model_kwargs)
+            return as_tensor(self.spec.loss(output, batch.targets)), batch.num_tokens
 
     def current_lr(self) -> float:
         return base_lr(self.optimizer)

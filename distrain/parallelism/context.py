@@ -93,17 +93,20 @@ class ContextParallel:
         ``local_seq_len * size``. No collective."""
         return load_balanced_positions(local_seq_len * self.size, self.size, self.rank, device)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, n_rep: int, scale: float) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, n_rep: int, scale: float, mask: Tensor | None = None
+    ) -> Tensor:
         """Exact causal attention of the local queries over the whole sequence.
 
         ``q`` (batch, n_heads, local, head_dim) and ``k``/``v`` (batch, n_kv_heads, local, head_dim) are this rank's
         tokens, already rotated with their global positions; query head ``j`` reads kv head ``j // n_rep``. Runs one
         all-gather of the stacked k and v over ``group`` (one all-to-all in backward); every tensor stays on the
-        inputs' device. Returns (batch, n_heads, local, head_dim).
+        inputs' device. ``mask`` (bool, (batch, 1, local, whole sequence) in global key order; document masking)
+        replaces the causal one. Returns (batch, n_heads, local, head_dim).
         """
         if self.size == 1:  # nothing to gather: exactly the single-process attention
             keys, values = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale)
         local, device = q.shape[2], q.device
         if k.shape[2] != local or v.shape != k.shape:
             raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} hold different tokens")
@@ -113,6 +116,7 @@ class ContextParallel:
         held = torch.cat([load_balanced_positions(local * self.size, self.size, r, device) for r in range(self.size)])
         kv = gathered.movedim(0, 3).flatten(3, 4).index_select(3, held.argsort())
         keys, values = (t.repeat_interleave(n_rep, dim=1) for t in kv.unbind(0))
-        key_positions = torch.arange(local * self.size, device=device)
-        mask = self.positions(local, device)[:, None] >= key_positions[None, :]
+        if mask is None:
+            key_positions = torch.arange(local * self.size, device=device)
+            mask = self.positions(local, device)[:, None] >= key_positions[None, :]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)

@@ -29,7 +29,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel as vocabulary_parallel_loss
 
-from distrain.data.sampler import Batch
+from distrain.data.sampler import Batch, step_token_count
 from distrain.models.spec import spec_of
 from distrain.parallelism.base import (
     LocalBackwardStrategy,
@@ -312,19 +312,26 @@ class _ComposedModel(LocalBackwardStrategy):
         )
 
     def train_step(self, micro_batches: Sequence[Batch]) -> StepResult:
-        return super().train_step([self._local_part(batch) for batch in micro_batches])
+        step_tokens = step_token_count(micro_batches)
+        return super().train_step([self._local_part(batch, step_tokens) for batch in micro_batches])
 
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
         return super().eval_loss(self._local_part(batch))
 
-    def _local_part(self, batch: Batch) -> Batch:
+    def _local_part(self, batch: Batch, step_tokens: float | None = None) -> Batch:
         """This cp rank's load-balanced share of every sequence of ``batch`` (the whole batch when cp == 1): the
         cp ranks of a batch each hold as many tokens, so the loss normalised by local tokens and averaged by FSDP
-        over dp x cp is the global token mean."""
+        over dp x cp is the global token mean. Under document masking each cp rank counts different tokens, so
+        each divides by its share ``1 / cp`` of the step's counted tokens; the documents stay whole: attention
+        needs the document of every key of the sequence."""
         if self.degrees.cp == 1:
             return batch
         cp, rank = self.degrees.cp, self.mesh["cp"].get_local_rank()
-        return Batch(shard_sequence(batch.inputs, cp, rank), shard_sequence(batch.targets, cp, rank))
+        inputs, targets = shard_sequence(batch.inputs, cp, rank), shard_sequence(batch.targets, cp, rank)
+        if batch.documents is None:
+            return Batch(inputs, targets)
+        counted = float(batch.num_tokens) if step_tokens is None else step_tokens  # None: the batch is the step
+        return replace(batch, inputs=inputs, targets=targets, step_tokens=counted / cp)
 
     def clip_gradients(self) -> torch.Tensor:
         """One norm over every gradient: DTensors on each mesh (FSDP's, tp's, the experts') reduced over that mesh

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state, get_model
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from distrain.checkpoint.data_only import DataOnlyLoadPlanner, DataOnlyReader
-from distrain.data.sampler import Batch
+from distrain.data.sampler import Batch, step_token_count
 from distrain.models.spec import spec_of
 from distrain.optim.groups import kernels_kept
 from distrain.parallelism.base import (
@@ -212,13 +212,16 @@ class PipelineStrategy(LocalBackwardStrategy):
     def data_parallel(self) -> tuple[int, int]:
         return 0, 1  # every stage reads the same batch
 
-    def _run_schedule(self, run: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _run_schedule(
+        self, run: Any, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """``schedule.step`` or ``schedule.eval`` on this rank's stages; returns the summed loss of the last stage,
-        broadcast to every rank. Only the first stage takes inputs; every stage passes the targets along."""
+        broadcast to every rank. Only the first stage takes inputs; every stage passes the targets along, and
+        every stage takes ``model_kwargs`` (document masking's documents), split into micro-batches as inputs are."""
         losses: list[torch.Tensor] = []
         self._busy, started = [], self.ctx.clock.mark()
         with self.ctx.precision.autocast(self.device):
-            run(*([inputs] if 0 in self.stage_indices else []), target=targets, losses=losses)
+            run(*([inputs] if 0 in self.stage_indices else []), target=targets, losses=losses, **model_kwargs)
         self._schedule_span = (started, self.ctx.clock.mark())
         loss = torch.stack(losses).sum().detach().float() if self.is_last else torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_stage_rank)
@@ -228,8 +231,12 @@ class PipelineStrategy(LocalBackwardStrategy):
         self.train_mode(True)
         inputs = torch.cat([b.inputs for b in micro_batches]).to(self.device)
         targets = torch.cat([b.targets for b in micro_batches]).to(self.device)
-        self._step_tokens = targets.numel()
-        loss = self._run_schedule(self.schedule.step, inputs, targets)
+        model_kwargs = {
+            name: torch.cat([b.model_kwargs[name] for b in micro_batches]).to(self.device)
+            for name in micro_batches[0].model_kwargs
+        }
+        self._step_tokens = step_token_count(micro_batches)
+        loss = self._run_schedule(self.schedule.step, inputs, targets, model_kwargs)
         marks: dict[str, Any] = {
             "backward_done": self.ctx.clock.mark(),
             "stage_intervals": self._busy,
@@ -262,16 +269,17 @@ class PipelineStrategy(LocalBackwardStrategy):
         """Forward-only through the pipeline; every rank returns the last stage's summed loss (one broadcast)."""
         self.train_mode(False)
         self._step_tokens = 1
-        inputs, targets = batch.inputs.to(self.device), batch.targets.to(self.device)
+        batch = batch.to(self.device)
+        inputs, targets, model_kwargs = batch.inputs, batch.targets, batch.model_kwargs
         if self.is_last and 0 in self.stage_indices:
             # Every stage on this one rank: run them in order. torch's interleaved schedule cannot evaluate two
             # stages of one rank (its forward-only pass asserts on the hand-over between them).
             with self.ctx.precision.autocast(self.device):
                 for module in self.stage_modules:
-                    inputs = module(inputs)
+                    inputs = module(inputs, **model_kwargs)
                 loss = self._loss(inputs, targets).detach().float()
         else:
-            loss = self._run_schedule(self.schedule.eval, inputs, targets)
+            loss = self._run_schedule(self.schedule.eval, inputs, targets, model_kwargs)
         # evaluate_sets() sums over ranks; every rank of a pipeline holds the same loss here, so count it once.
         if not self.reports_eval_loss():
             return torch.zeros((), device=self.device), 0

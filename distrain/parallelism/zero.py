@@ -22,7 +22,7 @@ from torch import nn
 
 from distrain.checkpoint.data_only import load_tensors_and_values
 from distrain.checkpoint.steps import checkpoint_world_size
-from distrain.data.sampler import Batch
+from distrain.data.sampler import Batch, step_token_count
 from distrain.models.spec import spec_of
 from distrain.optim.deepspeed_muon import deepspeed_muon
 from distrain.optim.groups import base_lr
@@ -204,11 +204,13 @@ class ZeroStrategy:
         if self._state_bytes is None:
             self._watch_buckets()
         loss_sum = torch.zeros((), device=self.device)
+        total_tokens = step_token_count(micro_batches)
         for index, batch in enumerate(micro_batches):
             batch = batch.to(self.device)
-            objective, micro_loss = self.spec.objective(self.engine.module, self.engine(batch.inputs), batch.targets)
-            # The engine divides by gradient_accumulation_steps itself: hand it the micro-batch's token mean.
-            self.engine.backward(objective / batch.num_tokens)
+            output = self.engine(batch.inputs, **batch.model_kwargs)
+            objective, micro_loss = self.spec.objective(self.engine.module, output, batch.targets)
+            # The engine divides by gradient_accumulation_steps itself: hand it the step's token mean times that.
+            self.engine.backward(objective / (total_tokens / len(micro_batches)))
             measure = index == len(micro_batches) - 1 and self._state_bytes is None
             if measure:  # gradients exist only between the last backward and the step
                 counter = StorageCounter()
@@ -226,7 +228,6 @@ class ZeroStrategy:
             if measure:  # optimizer state exists only after the first step
                 self._state_bytes = self._measure_model_state(counter, grad_bytes)
             loss_sum += micro_loss.detach().float()
-        total_tokens = sum(batch.num_tokens for batch in micro_batches)
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None and not math.isfinite(float(grad_norm)) and not self.engine.fp16_enabled():
             # DeepSpeed has applied the step already (only its fp16 loss scaler skips overflowing steps):
@@ -244,7 +245,7 @@ class ZeroStrategy:
     def eval_loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
         self.engine.eval()
         batch = batch.to(self.device)
-        return self.spec.loss(self.engine(batch.inputs), batch.targets), batch.num_tokens
+        return self.spec.loss(self.engine(batch.inputs, **batch.model_kwargs), batch.targets), batch.num_tokens
 
     def current_lr(self) -> float:
         return base_lr(self.engine.optimizer)

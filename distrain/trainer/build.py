@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distrain.checkpoint.checkpointer import Checkpointer
 from distrain.config.schema import TrainerConfig
+from distrain.data.packing import mask_documents
 from distrain.data.sampler import TrainBatches, sampler_for, token_windows
 from distrain.data.validation import ValidationSets, validation_sets
 from distrain.ft.config import has_replica_groups
@@ -188,5 +189,9 @@ def build_data(
         dp_size=val_size,
         replica_groups=groups,
     )
-    train = TrainBatches(train_windows, sampler, prefetch=cfg.data.get("prefetch", False), pin_memory=pin_memory)
-    return train, validation
+    # Checked before any rank starts: masking is asked only of data with an end-of-document id.
+    masking = partial(mask_documents, eos_id=corpus.eos_id) if cfg.data.get("document_masking") else None
+    train = TrainBatches(
+        train_windows, sampler, prefetch=cfg.data.get("prefetch", False), pin_memory=pin_memory, transform=masking
+    )
+    return train, validation if masking is None else validation.transformed(masking)

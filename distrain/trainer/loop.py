@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from distrain.checkpoint.checkpointer import Checkpointer, rng_snapshot, set_rng_state
 from distrain.config.schema import TrainerConfig
+from distrain.data.packing import count_step_tokens
 from distrain.data.sampler import TrainBatches
 from distrain.data.validation import ValidationSets
 from distrain.errors import ArtifactError, CheckpointSpaceError
@@ -197,6 +198,7 @@ def _step(loop: _Loop) -> None:
         micro_batches = loop.data.next_step()
     except ArtifactError as err:  # read before any of the step's collectives: see _settle
         raise UnreadStepError(str(err)) from err
+    micro_batches = count_step_tokens(micro_batches, loop.device)  # document masking: one all-reduce
     marks["data_ready"] = window.clock.mark()
     maybe_inject_delay(dist.get_rank())
     result = strategy.train_step(micro_batches)

@@ -1,6 +1,6 @@
-"""data=mix through train.py: docs/data.md's mixture recipe runs as written and logs each source's realised share and
-validation loss; one rank with accumulation and two data-parallel ranks train on the same global batches; a resume
-from a checkpoint continues with exactly the losses of the uninterrupted run."""
+"""data=mix through train.py: docs/data.md's mixture recipe (and its document masking recipe) runs as written and
+logs each source's realised share and validation loss; one rank with accumulation and two data-parallel ranks train
+on the same global batches; a resume from a checkpoint continues with exactly the losses of the uninterrupted run."""
 
 import numpy as np
 import pytest
@@ -24,6 +24,15 @@ def test_the_docs_mixture_block_runs_as_written(tmp_path):
     assert final["val/asyncio/loss"] != final["val/email/loss"]  # two validation sets, not one
     evaluated = [r for r in records(run) if "val_loss" in r]
     assert [r["step"] for r in evaluated] == [20, 40] and all("val/email/loss" in r for r in evaluated)
+    # docs/data.md's masking block, on the datasets the mixture block prepared.
+    done = run_readme_bash_block("# document masking:", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    masked = summary(tmp_path / "outputs" / "mix_masked")
+    assert masked["data/asyncio/fraction"] == pytest.approx(0.7, abs=0.01)
+    assert masked["final_val_loss"] == pytest.approx(
+        0.7 * masked["val/asyncio/loss"] + 0.3 * masked["val/email/loss"], rel=1e-9
+    )
+    assert abs(masked["final_val_loss"] - final["final_val_loss"]) > 1e-3  # masked windows train another model
 
 
 @pytest.fixture(scope="module")

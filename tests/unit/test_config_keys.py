@@ -81,6 +81,7 @@ KEYS = {
     "data.corpus.sources": free("an interpolation of data.sources (checked there)"),
     "data.verify_checksums": BOOL,
     "data.prefetch": BOOL,
+    "data.document_masking": (check("data.document_masking=true"), "one stream without documents"),
     "parallelism.name": free("set by each option's file; names the strategy in summaries"),
     "parallelism.find_unused_parameters": BOOL,
     "parallelism.stage": (check("parallelism=fsdp", "parallelism.stage=1"), "takes stage 2 or 3 (its new name"),

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from distrain.models.common.documents import document_attention_mask, document_positions
+
 if TYPE_CHECKING:
     from distrain.parallelism.context import ContextParallel
 
@@ -88,18 +90,24 @@ class Attention(nn.Module):
         self.context: ContextParallel | None = None
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin of the angles of ``positions``: (seq,) gives (seq, head_dim), one row per position for every
+        sequence; (batch, seq) gives (batch, 1, seq, head_dim), each sequence's own (document masking)."""
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling, positions.device)
         positions = positions.to(torch.float32)
         # An elementwise outer product, not a matmul, so autocast cannot drop the angles to low precision.
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = positions[..., None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
+        if angles.dim() == 3:  # per sequence: broadcast over the heads
+            angles = angles.unsqueeze(1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
         """Attend over ``x`` (batch, seq, d_model) on its device; returns (batch, seq, d_model).
 
         With ``context`` set, ``seq`` is this rank's share of the sequence and the context's all-gather of keys and
-        values runs over its group (an all-to-all in backward); without it no collective runs.
+        values runs over its group (an all-to-all in backward); without it no collective runs. ``documents``
+        (batch, whole sequence; document masking) restarts the rotary positions at each document and keeps every
+        query's attention inside its document.
         """
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -107,15 +115,19 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         context = self.context
         positions = torch.arange(seq, device=x.device) if context is None else context.positions(seq, x.device)
+        mask = None
+        if documents is not None:
+            mask = document_attention_mask(documents, positions)
+            positions = document_positions(documents)[:, positions]
         cos, sin = self._rope(positions, q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         scale = 1.0 / math.sqrt(self.head_dim)
         if context is not None:  # gathers the kv heads before repetition: n_rep times fewer bytes
-            out = context.attend(q, k, v, n_rep=self.n_rep, scale=scale)
+            out = context.attend(q, k, v, n_rep=self.n_rep, scale=scale, mask=mask)
             return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
         # Query head j reads kv head j // n_rep, as in Hugging Face's repeat_kv.
         k = k.repeat_interleave(self.n_rep, dim=1)
         v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

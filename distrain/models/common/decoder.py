@@ -108,12 +108,14 @@ class Decoder(nn.Module):
                 std = residual_std if name.endswith(("wo.weight", "w2.weight")) else self.init_std
                 nn.init.normal_(param, mean=0.0, std=std)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, documents: Tensor | None = None) -> Tensor:
         """Token ids (batch, seq), or hidden states (batch, seq, d_model) when there is no embedding, to logits
-        (batch, seq, vocab), or to hidden states when ``output`` is None; all on the input's device."""
+        (batch, seq, vocab), or to hidden states when ``output`` is None; all on the input's device. ``documents``
+        (long, (batch, seq) of the whole sequence; document masking): each token's document inside its sequence,
+        within which positions restart and attention stays."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, documents=documents)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

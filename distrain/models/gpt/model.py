@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distrain.models.common.documents import document_attention_mask, document_positions
 from distrain.models.gpt.spec import GPT_SPEC
 
 
@@ -28,11 +29,15 @@ class CausalSelfAttention(nn.Module):
         self.wo = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention over ``x`` (batch, seq, d_model) on its device, kept inside each token's document when
+        ``documents`` (batch, seq) is given; no collective."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
         q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        mask = None if documents is None else document_attention_mask(documents)
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -55,8 +60,8 @@ class Block(nn.Module):
         self.mlp = FeedForward(d_model, mlp_ratio * d_model, bias)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x)))
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), documents=documents))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -117,14 +122,19 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) of ``tokens`` (batch, seq). A pipeline stage is this model with the children
-        it does not hold set to None: it then takes or returns hidden states (batch, seq, d_model)."""
+        it does not hold set to None: it then takes or returns hidden states (batch, seq, d_model). ``documents``
+        (long, (batch, seq); document masking): each token's document, where positions restart and attention
+        stays."""
         x = tokens
         if self.tok_emb is not None:
-            x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            if documents is not None:
+                positions = document_positions(documents)
+            x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, documents=documents)
         if self.norm is not None:
             x = self.norm(x)
         return self.head(x) if self.head is not None else x

@@ -55,6 +55,7 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 GPT_SPEC = ModelSpec(
     name="gpt",
+    document_masking=True,
     blocks="blocks",
     before_blocks=("tok_emb", "pos_emb"),
     after_blocks=("norm", "head"),

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from distrain.errors import ArtifactError
+from distrain.models.common.documents import document_positions
 from distrain.models.hf.spec import HF_CONFIG_SPEC, attention_kinds, has_llama_layout, hf_spec
 
 
@@ -83,17 +84,23 @@ class HFCausalLM(nn.Module):
         self.lm_head = hf.lm_head
         self.layer_kinds = attention_kinds(self.config)  # full_attention | sliding_attention, per layer
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) of ``tokens`` (batch, seq), on the tokens' device; no key/value cache.
 
         Llama layout, as a pipeline stage: hidden states (batch, seq, hidden_size) in when ``embed_tokens`` is None,
-        hidden states out when ``lm_head`` is None. No communication here (strategies' hooks may add some)."""
+        hidden states out when ``lm_head`` is None. ``documents`` (long, (batch, seq); document masking, Llama
+        layout only): position ids restart at each document, and Hugging Face's mask functions, given them, keep
+        attention inside each packed document. No communication here (strategies' hooks may add some)."""
         if not self.split:
             return self.hf(input_ids=tokens, use_cache=False).logits
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        if documents is None:
+            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        else:
+            positions = document_positions(documents)
         position_embeddings = self.rotary_emb(h, positions)
-        masks = causal_masks(self.config, h, {self.layer_kinds[int(key)] for key in self.layers})
+        kinds = {self.layer_kinds[int(key)] for key in self.layers}
+        masks = causal_masks(self.config, h, kinds, None if documents is None else positions)
         for key, layer in self.layers.items():
             # Keyword arguments, as Hugging Face's own model passes them; activation checkpointing, compile and
             # FSDP wrap the layer's call and pass them through.
@@ -121,12 +128,20 @@ def _refuse_partial_load(name_or_path: str, loading: dict[str, list]) -> None:
             raise ArtifactError(name_or_path, f"its weights do not fit its config.json: {what} {names[0]}{more}")
 
 
-def causal_masks(config: object, hidden: torch.Tensor, kinds: set[str]) -> dict[str, torch.Tensor | None]:
+def causal_masks(
+    config: object, hidden: torch.Tensor, kinds: set[str], packed_positions: torch.Tensor | None = None
+) -> dict[str, torch.Tensor | None]:
     """Each attention kind's mask for ``hidden`` (batch, seq, width), from Hugging Face's own mask functions, on
     the hidden states' device: None where the kernel can be told "causal" instead (sdpa without a window shorter
-    than the sequence), an additive or boolean mask otherwise (eager attention adds nothing when given None)."""
+    than the sequence), an additive or boolean mask otherwise (eager attention adds nothing when given None).
+    ``packed_positions`` (batch, seq): positions that restart at each packed document, from which Hugging Face's
+    functions keep attention inside each document (a new document wherever a position does not follow the last)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-    # No position ids: with them Hugging Face looks for packed sequences, which plain 0..seq-1 positions never are.
-    return {kind: makers[kind](config=config, inputs_embeds=hidden, attention_mask=None, cache=None) for kind in kinds}
+    return {
+        kind: makers[kind](
+            config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=packed_positions
+        )
+        for kind in kinds
+    }

@@ -53,7 +53,7 @@ _TO_HF = {
 def check_config(cfg: DictConfig) -> None:
     """``model.name_or_path`` is a local Hugging Face causal LM directory that passes its inspector (config.json,
     and unless ``random_init`` weights that are exactly its architecture's), and ``data.seq_len`` fits an absolute
-    position table."""
+    position table; document masking only for Llama-layout architectures."""
     from distrain.artifacts.hf_directory import inspect_hf_directory
 
     kernels = ("sdpa", "eager")
@@ -66,6 +66,14 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(
             "model.name_or_path", path, f"a usable Hugging Face model directory ({where}{err.problem})"
         ) from None
+    model_type = getattr(found.config, "model_type", None)
+    if cfg.data.get("document_masking") and model_type not in LLAMA_LAYOUT:
+        raise ConfigError(
+            "data.document_masking",
+            True,
+            f"false for a Hugging Face {model_type} model: only Llama-layout architectures ({', '.join(LLAMA_LAYOUT)}) "
+            "take documents (distrain runs their layers with restarted position ids and packed masks)",
+        )
     table = found.position_table
     if table is not None:
         check(cfg, "data.seq_len", lambda v: v <= table, f"at most {table}, the positions {path}/config.json holds")
@@ -134,6 +142,7 @@ def llama_layout_spec(model: nn.Module) -> ModelSpec:
         flops_per_token=flops_per_token,
         check_config=check_config,
         hf=HFCounterpart(to_hf, from_hf, hf_config),
+        document_masking=True,
     )
 
 
@@ -243,4 +252,5 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 
 # Before the model is built (validation): the directory's checks only.
-HF_CONFIG_SPEC = ModelSpec(name="Hugging Face", check_config=check_config)
+# Document masking is checked against the directory's architecture by check_config.
+HF_CONFIG_SPEC = ModelSpec(name="Hugging Face", check_config=check_config, document_masking=True)

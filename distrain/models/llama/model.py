@@ -35,8 +35,8 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm decoder block; ``forward`` takes the hidden states only, so wrappers and splitters can treat it
-    as a plain ``Tensor -> Tensor`` module."""
+    """Pre-norm decoder block; ``forward`` takes the hidden states (and, under document masking, the sequence's
+    documents), so wrappers and splitters can treat it as a plain ``Tensor -> Tensor`` module."""
 
     def __init__(
         self,
@@ -54,9 +54,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(d_model, norm_eps)
         self.feed_forward = FeedForward(d_model, ffn_hidden)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Run the block on ``x`` (batch, seq, d_model) on its device."""
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
+        """Run the block on ``x`` (batch, seq, d_model) on its device (``documents``: ``Attention.forward``'s)."""
+        h = x + self.attention(self.attention_norm(x), documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -131,6 +131,7 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 LLAMA_SPEC = ModelSpec(
     name="llama",
+    document_masking=True,
     **DECODER_MODULES,
     tensor_plan=tensor_plan,
     tensor_options=("sequence_parallel", "loss_parallel"),

@@ -170,9 +170,9 @@ class MoEBlock(nn.Module):
         self.ffn_norm = RMSNorm(d_model, norm_eps)
         self.moe = MoEFeedForward(d_model, expert_hidden, n_experts, top_k, load_balance_coef, z_loss_coef)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Run the block on ``x`` (batch, seq, d_model) on its device."""
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
+        """Run the block on ``x`` (batch, seq, d_model) on its device (``documents``: ``Attention.forward``'s)."""
+        h = x + self.attention(self.attention_norm(x), documents=documents)
         return h + self.moe(self.ffn_norm(h))
 
 

@@ -166,6 +166,7 @@ EXPERT_PLAN = ExpertParallelPlan(
 
 MOE_SPEC = ModelSpec(
     name="moe",
+    document_masking=True,
     **DECODER_MODULES,
     tensor_plan=None,
     flops_per_token=flops_per_token,
