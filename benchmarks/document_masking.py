@@ -49,9 +49,10 @@ def main() -> None:
         work = Path(scratch)
         count = write_documents(work / "documents.jsonl")
         summary = prepare([work / "documents.jsonl"], work / "data", vocab_size=2048, val_fraction=0.05, quiet=True)
-        common = ["model=llama_tiny", "data=tokens", f"data.path={work / 'data'}", f"data.seq_len={args.seq_len}",
-                  "data.micro_batch_size=8", f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}",
-                  "trainer.log_every=10", "checkpoint=none", "logger=none"]  # fmt: skip
+        common = ["model=llama_tiny", f"model.max_seq_len={args.seq_len}", "data=tokens", f"data.path={work / 'data'}",
+                  f"data.seq_len={args.seq_len}", "data.micro_batch_size=8", f"trainer.max_steps={args.steps}",
+                  f"trainer.eval_every={args.steps}", "trainer.log_every=10", "checkpoint=none",
+                  "logger=none"]  # fmt: skip
         runs = {}
         for name, masking in (("without masking", "false"), ("with masking", "true")):
             run_dir = work / name.replace(" ", "_")
@@ -66,8 +67,8 @@ def main() -> None:
     base = runs["without masking"]["step_time_s"]
     rows = [
         f"{count} documents, {summary['tokens']:,} tokens (vocabulary 2048), windows of {args.seq_len} tokens "
-        f"(about {summary['tokens'] / count:.0f} tokens per document); {args.steps} steps of 8 sequences, one process "
-        "on CPU.",
+        f"(about {summary['tokens'] / count:.0f} tokens per document); {args.steps} steps of 8 sequences per rank, "
+        "train.py's default layout (DDP over 2 gloo ranks on CPU).",
         "",
         "| run | median step time (s) | vs without | tokens/s | train loss (last window) | final val_loss |",
         "|---|---|---|---|---|---|",

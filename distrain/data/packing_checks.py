@@ -11,6 +11,7 @@ from distrain.config.checks import ConfigError
 from distrain.data.mixture import source_settings
 from distrain.data.token_format import read_index
 from distrain.data.tokens import dataset_directory
+from distrain.ft.config import has_replica_groups
 from distrain.models.spec import ModelSpec
 
 KEY = "data.document_masking"
@@ -48,6 +49,13 @@ def check_document_masking(cfg: DictConfig, spec: ModelSpec) -> None:
         )
     if len(set(ids.values())) > 1:
         raise ConfigError(KEY, True, f"false for sources that end documents with different ids: {ids}")
+    if "ft" in cfg and has_replica_groups(cfg):
+        raise ConfigError(
+            KEY,
+            True,
+            "false with ft=torchft: replica groups average their gradients with equal weights, and masked steps count "
+            "different tokens in each group (the mean would not be the token mean)",
+        )
     if not spec.document_masking:
         raise ConfigError(
             KEY, True, f"false for {spec.label}: its forward takes no documents (its spec's document_masking)"

@@ -61,11 +61,12 @@ class Batch:
         return replace(self, inputs=self.inputs.pin_memory(), targets=self.targets.pin_memory(), documents=documents)
 
 
-def step_token_count(micro_batches: Sequence[Batch]) -> float:
+def step_token_count(micro_batches: Sequence[Batch], own: bool = False) -> float:
     """What a rank divides the summed loss of a step's ``micro_batches`` by, so that the data-parallel mean of the
     ranks' gradients is the gradient of the global batch's token mean: the step's counted tokens per data-parallel
-    rank when the batches carry it (document masking counts different tokens on each rank), else this rank's."""
-    given = micro_batches[0].step_tokens if micro_batches else None
+    rank when the batches carry it (document masking counts different tokens on each rank), else this rank's.
+    ``own``: this rank's count whatever the batches carry (its gradient is not averaged with other ranks')."""
+    given = micro_batches[0].step_tokens if micro_batches and not own else None
     return given if given is not None else sum(batch.num_tokens for batch in micro_batches)
 
 

@@ -238,7 +238,7 @@ class ModelSpec:
         auxiliary = self.auxiliary_loss(model) if self.auxiliary_loss else None
         if auxiliary is None:
             return loss, loss
-        return loss + auxiliary * targets.numel(), loss
+        return loss + auxiliary * (targets >= 0).sum(), loss  # the counted targets: ignored ones are negative
 
     def step_metrics(self, model: nn.Module) -> dict[str, float]:
         """Model-specific values to log after a step (this rank's)."""

@@ -148,9 +148,10 @@ class LocalBackwardStrategy:
     """Shared ``train_step`` for strategies where autograd runs on this rank and torch's optimizer steps.
 
     Subclasses say how to wrap the model (``wrap``) and how to keep gradients from synchronising on all but the
-    last micro-batch (``gradient_sync``). The loss is normalised by the step's total token count on this rank,
-    so k micro-batches of b sequences produce the same gradient as one batch of k*b; with equal token counts
-    on every rank, the data-parallel mean then equals the global token mean.
+    last micro-batch (``gradient_sync``). The loss is normalised by the step's token count (``step_token_count``:
+    this rank's, or under document masking the step's counted tokens per data-parallel rank), so k micro-batches
+    of b sequences produce the same gradient as one batch of k*b, and the data-parallel mean is the global token
+    mean. A comm option taking local steps (its ranks' gradients never averaged) divides by this rank's own count.
     """
 
     name = "local"
@@ -201,7 +202,7 @@ class LocalBackwardStrategy:
         self.model.train()
         self._marks: dict[str, Any] = {}
         self.ctx.comm.begin_step()
-        total_tokens = step_token_count(micro_batches)
+        total_tokens = step_token_count(micro_batches, own=self.ctx.comm.local_steps)
         loss_sum = torch.zeros((), device=self.device)
         with self.ctx.comm.gradient_point():
             for index, batch in enumerate(micro_batches):

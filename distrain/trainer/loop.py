@@ -198,8 +198,8 @@ def _step(loop: _Loop) -> None:
         micro_batches = loop.data.next_step()
     except ArtifactError as err:  # read before any of the step's collectives: see _settle
         raise UnreadStepError(str(err)) from err
-    micro_batches = count_step_tokens(micro_batches, loop.device)  # document masking: one all-reduce
     marks["data_ready"] = window.clock.mark()
+    micro_batches = count_step_tokens(micro_batches, loop.device)  # document masking: one all-reduce
     maybe_inject_delay(dist.get_rank())
     result = strategy.train_step(micro_batches)
     if not result.committed:  # a replica group failed during the step: run it again with the groups still alive

@@ -73,8 +73,9 @@ def test_gpt_with_learned_positions_trains_masked_windows_under_fsdp_and_a_pipel
         ([], "data.document_masking=true is not allowed: false for this data: its text is one stream without"),
         (["model=mlp", "data=tokens"], "false for the mlp model: its forward takes no documents"),
         (["data=tokens", "no_eos"], "false for the dataset of data.path: its index names no end-of-document id"),
+        (["data=tokens", "ft=torchft"], "false with ft=torchft: replica groups average their gradients with equal"),
     ],
-    ids=["stdlib-corpus", "model-without-documents", "dataset-without-ends"],
+    ids=["stdlib-corpus", "model-without-documents", "dataset-without-ends", "replica-groups"],
 )
 def test_what_cannot_be_masked_is_refused_in_one_line(documents, tmp_path, extra, words):
     args = ["data.document_masking=true", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"]

@@ -92,6 +92,8 @@ class HFCausalLM(nn.Module):
         layout only): position ids restart at each document, and Hugging Face's mask functions, given them, keep
         attention inside each packed document. No communication here (strategies' hooks may add some)."""
         if not self.split:
+            if documents is not None:  # validation refuses this; a model built outside train.py might not be
+                raise ValueError(f"{self.architecture} is not taken apart (Llama layout): it takes no documents")
             return self.hf(input_ids=tokens, use_cache=False).logits
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         if documents is None:
