@@ -209,7 +209,7 @@ def export_hf(path: Path, out: Path) -> dict[str, int]:
         for tokenizer_file in tokenizer:
             shutil.copy2(tokenizer_file, partial / tokenizer_file.name)
         if data_tokenizer:
-            write_data_tokenizer(data_tokenizer, dataset_path(run_cfg.data), partial)
+            write_data_tokenizer(data_tokenizer, token_ids["eos_token_id"], partial)
         shutil.rmtree(out, ignore_errors=True)  # empty, or an earlier export (output_problem)
         partial.replace(out)
     return {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
@@ -253,7 +253,7 @@ def special_token_ids(run_cfg: DictConfig, data_tokenizer: Path | None) -> dict[
     return ids
 
 
-def write_data_tokenizer(tokenizer_file: Path, dataset: str, out: Path) -> None:
+def write_data_tokenizer(tokenizer_file: Path, eos_id: int | None, out: Path) -> None:
     """The dataset's ``tokenizer.json`` and a ``tokenizer_config.json`` naming its end-of-document token, which is
     what ``AutoTokenizer.from_pretrained(out)`` reads. A nanoGPT dataset's character-level ``meta.pkl`` is no
     ``tokenizers`` file: it is copied as it is, beside the weights, for nanoGPT's ``sample.py``."""
@@ -261,14 +261,10 @@ def write_data_tokenizer(tokenizer_file: Path, dataset: str, out: Path) -> None:
 
     from tokenizers import Tokenizer
 
-    from distrain.data.token_format import read_index
-    from distrain.data.tokens import dataset_directory
-
     if is_char_vocab(tokenizer_file):
         shutil.copy2(tokenizer_file, out / CHAR_VOCAB)
         return
     shutil.copy2(tokenizer_file, out / "tokenizer.json")
-    eos_id = read_index(dataset_directory(dataset), "train").eos_id
     eos = Tokenizer.from_file(str(tokenizer_file)).id_to_token(eos_id) if eos_id is not None else None
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": 1 << 30}
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=1) + "\n")
